@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Host set-up for a moorage storage node or worker node, and for developing
+# moorage itself, on Debian 12 (or a derivative) as root.  Idempotent: it
+# installs only the packages that are missing and does nothing else when all
+# are present.
+set -euo pipefail
+
+die() { echo "install-deps: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (it installs Debian packages with apt-get)"
+command -v apt-get >/dev/null 2>&1 && command -v dpkg-query >/dev/null 2>&1 \
+    || die "this is not a Debian-like system (no apt-get/dpkg-query); install the packages listed in $0 by hand"
+
+packages=(
+    # NFS server: ganesha with its VFS backend; rpcbind for NFSv3's MOUNT protocol
+    nfs-ganesha nfs-ganesha-vfs rpcbind
+    # NBD client library and tools (nbdinfo, nbdcopy) used by attach and tests
+    libnbd0 libnbd-bin
+    # userspace NFS client library and tools (nfs-cp, nfs-ls, nfs-cat)
+    libnfs13 libnfs-utils
+    # FUSE: pyfuse3 builds against libfuse3 through pkg-config
+    fuse3 libfuse3-dev pkg-config
+    # filesystems and block tooling
+    xfsprogs e2fsprogs util-linux btrfs-progs
+    # network namespaces for access-control tests
+    iproute2
+    # TLS test material (certtool) for the NBD TLS tests
+    gnutls-bin
+    # peers used by the tests and benchmarks
+    qemu-utils nbdkit fio
+    # building the virtualenv
+    python3 python3-venv python3-dev gcc make
+)
+
+missing=()
+for p in "${packages[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [ "$status" = "install ok installed" ] || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "install-deps: all ${#packages[@]} host packages present"
+    exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}"
+
+# The Debian package enables ganesha's own service; moorage runs ganesha
+# itself, with its own configuration, so the packaged one must not hold the
+# NFS ports.
+if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    systemctl disable --now nfs-ganesha.service >/dev/null 2>&1 || true
+fi
+pkill -x ganesha.nfsd >/dev/null 2>&1 || true
+echo "install-deps: done"

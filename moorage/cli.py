@@ -1,0 +1,32 @@
+"""The ``moorage`` command line."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from moorage import demo, nbd_cmd
+
+app = typer.Typer(
+    help="moorage: a self-hosted storage node (NFS and NBD) with a Kubernetes CSI driver.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(nbd_cmd.app, name="nbd")
+app.command(name="demo")(demo.demo)
+
+
+@app.callback()
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
+) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main() -> None:
+    app()
