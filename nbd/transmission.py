@@ -215,12 +215,17 @@ class Transmission:
             return False
         try:
             if req.type == Command.READ:
+                extents = None
                 if self.s.structured and req.length >= HOLE_CHECK_MIN and not req.flags:
-                    return False  # hole detection takes a few syscalls: a thread does it
+                    # SEEK_DATA/SEEK_HOLE only walk the extent map: cheap enough inline.
+                    extents = self.image.extents(req.offset, req.length, limit=64)
                 buf = bytearray(req.length)
-                if self.image.read_nowait(memoryview(buf), req.offset) != req.length:
+                all_hole = extents is not None and len(extents) == 1 and extents[0][1]
+                if not all_hole and (
+                    self.image.read_nowait(memoryview(buf), req.offset) != req.length
+                ):
                     return False
-                await self._send_read(req, buf, None)
+                await self._send_read(req, buf, extents)
                 return True
             if req.type == Command.WRITE and payload is not None and not req.flags:
                 if self.image.write_nowait(memoryview(payload), req.offset) != req.length:
