@@ -93,8 +93,12 @@ class ExportTable:
             self.add(e)
 
     def add(self, export: Export) -> None:
-        """Add an export, or replace one of the same name (closing its connections)."""
-        if export.name in self._entries:
+        """Add an export, or replace a different one of the same name (closing its
+        connections).  Adding an export identical to the one present changes nothing."""
+        current = self._entries.get(export.name)
+        if current is not None:
+            if current.export == export:
+                return
             self.remove(export.name)
         self._entries[export.name] = _Entry(export)
 

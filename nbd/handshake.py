@@ -277,17 +277,20 @@ class Handshake:
         name, queries = codec.decode_meta_context_request(data)
         if option == Option.SET_META_CONTEXT and not st.structured:
             raise OptionDataError("SET_META_CONTEXT needs structured replies first")
-        if self._resolve(name) is None:
+        export = self._resolve(name)
+        if export is None:
             await self._error(option, OptionReply.ERR_UNKNOWN, f"no export named {name!r}")
             return
-        matched = False
-        if option == Option.LIST_META_CONTEXT and not queries:
-            matched = True
+        listing = option == Option.LIST_META_CONTEXT
+        matched = listing and not queries
         for q in queries:
-            if q in (BASE_ALLOCATION, "base:"):
+            # "base:" is a wildcard for LIST only; SET MUST ignore it.
+            if q == BASE_ALLOCATION or (listing and q == "base:"):
                 matched = True
         if option == Option.SET_META_CONTEXT:
-            st.meta_export = name
+            # The export, not the name: "" (the default export) and its real
+            # name select the same one in NBD_OPT_GO.
+            st.meta_export = export.name
             st.meta_ids = [BASE_ALLOCATION_ID] if matched else []
         if matched:
             await self._reply(

@@ -175,7 +175,7 @@ class Transmission:
         allowed = _ALLOWED_FLAGS.get(req.type)
         if allowed is None:
             return Errno.EINVAL, f"unknown command {req.type}"
-        if req.flags & ~allowed:
+        if req.flags & ~int(allowed):
             return Errno.EINVAL, f"flags {req.flags:#x} not valid for command {req.type}"
         if req.flags & CommandFlag.DF and not self.s.structured:
             return Errno.EINVAL, "DF without structured replies"
