@@ -28,6 +28,8 @@ packages=(
     gnutls-bin
     # peers used by the tests and benchmarks
     qemu-utils nbdkit fio
+    # PostgreSQL server binaries: the catalog's tests start a throwaway cluster
+    postgresql
     # building the virtualenv
     python3 python3-venv python3-dev gcc make
 )
@@ -55,4 +57,19 @@ if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
     systemctl disable --now nfs-ganesha.service >/dev/null 2>&1 || true
 fi
 pkill -x ganesha.nfsd >/dev/null 2>&1 || true
+
+# The Debian package creates and starts a cluster on port 5432; nothing here
+# uses it (the tests run their own), so stop it and keep it from starting at
+# boot.  Only when this run installed it: an operator's own PostgreSQL stays.
+if [[ " ${missing[*]} " == *" postgresql "* ]]; then
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        systemctl disable --now postgresql.service >/dev/null 2>&1 || true
+    fi
+    # Without systemd the package started its clusters through the init script.
+    pg_lsclusters -h 2>/dev/null | while read -r version cluster _port status _rest; do
+        case "$status" in
+            online*) pg_ctlcluster "$version" "$cluster" stop >/dev/null 2>&1 || true ;;
+        esac
+    done
+fi
 echo "install-deps: done"
