@@ -105,6 +105,9 @@ class NBDServer:
                 with contextlib.suppress(trio.ClosedResourceError, OSError):
                     await listener.aclose()
             await self._drain()
+            # Past the grace period: close whatever is still busy (e.g. a
+            # client that stopped reading its replies) instead of waiting on it.
+            nursery.cancel_scope.cancel()
 
     async def serve_tcp(
         self,
@@ -122,7 +125,7 @@ class NBDServer:
         for scope in list(self._handshaking):
             scope.cancel()
         for tx in list(self._transmitting):
-            tx.reader_scope.cancel()
+            tx.stop_reading()
         with trio.move_on_after(self.config.shutdown_grace) as waited:
             await self._idle.wait()
         if waited.cancelled_caught:
@@ -196,7 +199,7 @@ class NBDServer:
         try:
             with conn_scope:
                 if self.shutting_down:
-                    tx.reader_scope.cancel()
+                    tx.stop_reading()
                 await tx.run()
             if conn_scope.cancelled_caught:
                 log.info("%s: export %s removed; connection closed", label, export.name)

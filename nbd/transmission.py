@@ -91,7 +91,20 @@ class Transmission:
         self._send_lock = trio.Lock()
         self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
         self._dead = False
+        self._stopping = False
+        self._awaiting_request = False
         self.requests = 0
+
+    def stop_reading(self) -> None:
+        """Read no more requests; those already read still get their replies.
+
+        Only a wait for the next request is interrupted: cancelling the reader
+        while it writes an inline reply would leave half a reply on the wire,
+        with the replies of other requests following it.
+        """
+        self._stopping = True
+        if self._awaiting_request:
+            self.reader_scope.cancel()
 
     # ------------------------------------------------------------ replies
 
@@ -131,12 +144,15 @@ class Transmission:
             self.image.close()
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
-        while True:
+        while not self._stopping:
+            self._awaiting_request = True
             try:
                 header = await self.t.recv_exact(codec.REQUEST.size)
             except PeerClosed:
                 log.debug("%s: client went away", self.label)
                 return
+            finally:
+                self._awaiting_request = False
             try:
                 req = codec.decode_request(header)
             except ProtocolError as e:
