@@ -229,7 +229,8 @@ class Handshake:
         try:
             await tls_stream.do_handshake()
         except (trio.BrokenResourceError, ssl.SSLError) as e:
-            raise ClientGone(f"TLS handshake failed: {e}") from e
+            cause = e.__cause__ or e  # trio wraps the ssl error; its text is in the cause
+            raise ClientGone(f"TLS handshake failed: {cause!r}") from e
         self.t.set_stream(tls_stream)
         # Nothing negotiated in clear text carries over into the TLS session.
         self.state = _State(tls=True)

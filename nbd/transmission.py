@@ -215,7 +215,8 @@ class Transmission:
             return Errno.EINVAL, "beyond end of export"
         mbs = self.s.export.min_block_size
         aligned = not (req.offset % mbs or req.length % mbs)
-        if not aligned and req.type in (Command.READ, Command.WRITE, Command.TRIM):
+        # TRIM is advisory: an unaligned one is shrunk to aligned blocks instead.
+        if not aligned and req.type in (Command.READ, Command.WRITE):
             return Errno.EINVAL, f"not aligned to {mbs} bytes"
         return None
 
@@ -303,8 +304,12 @@ class Transmission:
                 raise RequestError(Errno.EINVAL, f"unknown command {req.type}")
 
     def _trim(self, offset: int, length: int, fua: bool) -> None:
+        mbs = self.s.export.min_block_size
+        start = -(-offset // mbs) * mbs
+        end = (offset + length) // mbs * mbs
         try:
-            self.image.punch_hole(offset, length)
+            if end > start:
+                self.image.punch_hole(start, end - start)
         except OSError as e:
             # TRIM is advisory: a backing store without holes simply keeps the data.
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
