@@ -36,6 +36,7 @@ from backend.errors import (
     InvalidArgument,
     NotFound,
 )
+from backend.failpoints import failpoint
 
 log = logging.getLogger("moorage.backend.pool")
 
@@ -440,6 +441,7 @@ class Pool:
             elif found != fs_type:
                 holds = found or "data but no filesystem"
                 raise FailedPrecondition(f"volume {vol_id} image holds {holds}, not {fs_type}")
+        failpoint("pool.formatted")
         self.mount_fs_volume(vol_id, fs_type)
         export = self._ensure_export_dir(vol_id)
         if fresh:
@@ -634,6 +636,7 @@ class Pool:
         mount_point = str(self.mount_dir(vol_id))
         run(["fsfreeze", "-f", mount_point], timeout=_TIMEOUT)
         try:
+            failpoint("pool.frozen")
             yield
         finally:
             run(["fsfreeze", "-u", mount_point], timeout=_TIMEOUT)

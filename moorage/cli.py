@@ -6,7 +6,7 @@ import logging
 
 import typer
 
-from moorage import demo, nbd_cmd
+from moorage import admin_cmd, backend_cmd, demo, nbd_cmd
 
 app = typer.Typer(
     help="moorage: a self-hosted storage node (NFS and NBD) with a Kubernetes CSI driver.",
@@ -15,6 +15,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(nbd_cmd.app, name="nbd")
+app.add_typer(backend_cmd.app, name="backend")
+app.add_typer(admin_cmd.volume_app, name="volume")
+app.add_typer(admin_cmd.snapshot_app, name="snapshot")
+app.add_typer(admin_cmd.pool_app, name="pool")
 app.command(name="demo")(demo.demo)
 
 

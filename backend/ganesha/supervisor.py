@@ -22,9 +22,11 @@ into the ``moorage.ganesha`` logger.  Facts about ganesha 4.3 this relies on:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import re
 import secrets
 import signal
@@ -90,6 +92,15 @@ class _Child:
 
     def tail_text(self) -> str:
         return "\n".join(self.tail) or "(no output)"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody has reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def _describe_exit(returncode: int | None) -> str:
@@ -318,6 +329,7 @@ class GaneshaSupervisor:
             self._notify()
 
     async def _supervise(self, nursery: trio.Nursery, task_status: trio.TaskStatus[None]) -> None:
+        await self._stop_stale()
         self._check_ports_free()
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         if self._needs_rpcbind:
@@ -361,6 +373,32 @@ class GaneshaSupervisor:
     @property
     def _needs_rpcbind(self) -> bool:
         return 3 in self.core.protocols
+
+    async def _stop_stale(self) -> None:
+        """Stop a ganesha a killed daemon left running on our configuration.
+
+        A SIGKILLed daemon cannot stop its child; that ganesha still holds the
+        ports and the pid file.  It is ours if its pid file names it and its
+        command line names our configuration file.
+        """
+        try:
+            pid = int(self.pid_file.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            return
+        if str(self.config_file).encode() not in cmdline:
+            return
+        log.warning("stopping ganesha.nfsd (pid %d) left running by an earlier daemon", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with trio.move_on_after(self.stop_timeout):
+            while _alive(pid):
+                await trio.sleep(0.1)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            await trio.sleep(0.1)
 
     def _check_ports_free(self) -> None:
         ports = [("NFS", self.core.nfs_port)]

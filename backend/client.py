@@ -1,0 +1,119 @@
+"""A client of the backend API, for the admin CLI and the CSI controller."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+from backend.auth import BearerToken, read_token
+from backend.proto import backend_pb2 as pb
+from backend.proto import backend_pb2_grpc as pb_grpc
+
+
+class BackendClient:
+    def __init__(
+        self,
+        address: str,
+        token_file: Path | None = None,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        token = read_token(token_file) if token_file else None
+        # Over TLS the token rides in call credentials; in clear, in plain metadata.
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        if ca is not None or cert is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=ca.read_bytes() if ca else None,
+                private_key=key.read_bytes() if key else None,
+                certificate_chain=cert.read_bytes() if cert else None,
+            )
+            if token:
+                creds = grpc.composite_channel_credentials(
+                    creds, grpc.metadata_call_credentials(BearerToken(token))
+                )
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
+            if token:
+                self._metadata = (("authorization", f"Bearer {token}"),)
+        self.stub = pb_grpc.BackendStub(self.channel)  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> BackendClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: str, request: object) -> object:
+        rpc = getattr(self.stub, method)
+        return rpc(request, timeout=self.timeout, metadata=self._metadata)
+
+    def create_volume(self, request: pb.CreateVolumeRequest) -> pb.Volume:
+        return self._call("CreateVolume", request)  # type: ignore[return-value]
+
+    def delete_volume(self, volume_id: str) -> None:
+        self._call("DeleteVolume", pb.DeleteVolumeRequest(volume_id=volume_id))
+
+    def expand_volume(self, volume_id: str, size: int) -> pb.Volume:
+        req = pb.ExpandVolumeRequest(volume_id=volume_id, size_bytes=size)
+        return self._call("ExpandVolume", req)  # type: ignore[return-value]
+
+    def get_volume(self, volume_id: str = "", name: str = "") -> pb.Volume:
+        req = (
+            pb.GetVolumeRequest(volume_id=volume_id)
+            if volume_id
+            else pb.GetVolumeRequest(name=name)
+        )
+        return self._call("GetVolume", req)  # type: ignore[return-value]
+
+    def list_volumes(self, max_entries: int = 0, token: str = "") -> pb.ListVolumesResponse:
+        req = pb.ListVolumesRequest(max_entries=max_entries, starting_token=token)
+        return self._call("ListVolumes", req)  # type: ignore[return-value]
+
+    def create_snapshot(self, name: str, source_volume_id: str) -> pb.Snapshot:
+        req = pb.CreateSnapshotRequest(name=name, source_volume_id=source_volume_id)
+        return self._call("CreateSnapshot", req)  # type: ignore[return-value]
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._call("DeleteSnapshot", pb.DeleteSnapshotRequest(snapshot_id=snapshot_id))
+
+    def list_snapshots(
+        self, max_entries: int = 0, token: str = "", source_volume_id: str = ""
+    ) -> pb.ListSnapshotsResponse:
+        req = pb.ListSnapshotsRequest(
+            max_entries=max_entries, starting_token=token, source_volume_id=source_volume_id
+        )
+        return self._call("ListSnapshots", req)  # type: ignore[return-value]
+
+    def capacity(self) -> pb.Capacity:
+        return self._call("GetCapacity", pb.GetCapacityRequest())  # type: ignore[return-value]
+
+    def publish(
+        self, volume_id: str, node_id: str, node_address: str, read_only: bool = False
+    ) -> pb.PublishVolumeResponse:
+        req = pb.PublishVolumeRequest(
+            volume_id=volume_id, node_id=node_id, node_address=node_address, read_only=read_only
+        )
+        return self._call("PublishVolume", req)  # type: ignore[return-value]
+
+    def unpublish(self, volume_id: str, node_id: str) -> None:
+        self._call(
+            "UnpublishVolume", pb.UnpublishVolumeRequest(volume_id=volume_id, node_id=node_id)
+        )
+
+    def health(self) -> pb.HealthResponse:
+        return self._call("Health", pb.HealthRequest())  # type: ignore[return-value]

@@ -1,0 +1,212 @@
+"""A real storage-node daemon for tests: a loop pool, free ports, a process.
+
+``BackendNode`` starts ``moorage backend serve`` as a child process on a loop
+pool made for the test, can kill it (SIGKILL, with failpoints armed through
+MOORAGE_FAILPOINTS) and restart it on the same state, and tears everything
+down: daemon, ganesha, mounts, loop devices.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from backend.client import BackendClient
+from backend.poolinit import init_loop_pool, release_loop_pool
+from tests.conftest import REPO, free_port
+
+POOL_SIZE = 4 << 30
+
+
+@dataclass
+class BackendNode:
+    root: Path
+    nfs_port: int = field(default_factory=free_port)
+    mount_port: int = field(default_factory=free_port)
+    nbd_port: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def pool_dir(self) -> Path:
+        return self.root / "pool"
+
+    @property
+    def socket(self) -> Path:
+        return self.data_dir / "backend.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket}"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "daemon.log"
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "moorage",
+            "-v",
+            "backend",
+            "serve",
+            "--data-dir",
+            str(self.data_dir),
+            "--pool",
+            str(self.pool_dir),
+            "--nfs-port",
+            str(self.nfs_port),
+            "--mount-port",
+            str(self.mount_port),
+            "--nbd-listen",
+            f"127.0.0.1:{self.nbd_port}",
+            "--graceless",
+            "--grace-period",
+            "5",
+            "--lease-lifetime",
+            "5",
+            *self.extra_args,
+        ]
+
+    def start(self, failpoints: Sequence[str] = (), timeout: float = 90) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "daemon already running"
+        env = dict(os.environ)
+        env.pop("MOORAGE_FAILPOINTS", None)
+        if failpoints:
+            env["MOORAGE_FAILPOINTS"] = ",".join(failpoints)
+        self.socket.unlink(missing_ok=True)
+        with self.log.open("ab") as out:
+            out.write(f"\n==== start {self.starts} failpoints={list(failpoints)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env
+            )
+        self.starts += 1
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.socket.exists():
+                try:
+                    with self.client(timeout=5) as c:
+                        if c.health().ganesha_running:
+                            return
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log_tail()}")
+
+    def client(self, timeout: float = 300) -> BackendClient:
+        return BackendClient(self.address, timeout=timeout)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``moorage`` against this node."""
+        env = dict(os.environ, MOORAGE_BACKEND=self.address, COLUMNS="200")
+        result = subprocess.run(
+            [sys.executable, "-m", "moorage", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"moorage {args} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+            )
+        return result
+
+    def stop(self, timeout: float = 60) -> int:
+        """Graceful stop (SIGTERM); returns the exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (ganesha is left for the next start to stop)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def wait_exit(self, timeout: float = 120) -> int:
+        """Wait for the daemon to die by itself (a failpoint)."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def nfs_url(self, export_path: str, file: str = "", version: int = 3) -> str:
+        path = export_path.rstrip("/") + (f"/{file}" if file else "")
+        if version == 3:
+            return (
+                f"nfs://127.0.0.1{path}?nfsport={self.nfs_port}&mountport={self.mount_port}"
+                "&version=3"
+            )
+        return f"nfs://127.0.0.1{path}?nfsport={self.nfs_port}&version=4"
+
+    def teardown(self) -> None:
+        self.stop()
+        _stop_orphan_ganesha(self.data_dir / "ganesha" / "ganesha.pid")
+        if self.pool_dir.exists():
+            release_loop_pool(self.pool_dir)
+
+
+def _stop_orphan_ganesha(pid_file: Path) -> None:
+    """A daemon killed and never restarted leaves its ganesha behind."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError, IndexError):
+        return
+    for _ in range(300):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+def make_node(root: Path, extra_args: Sequence[str] = ()) -> BackendNode:
+    root.mkdir(parents=True, exist_ok=True)
+    init_loop_pool(root / "pool", POOL_SIZE)
+    return BackendNode(root=root, extra_args=list(extra_args))
+
+
+@pytest.fixture
+def backend_node(tmp_path: Path) -> Iterator[BackendNode]:
+    """A running storage node on a 4 GiB loop pool of its own."""
+    node = make_node(tmp_path / "node")
+    try:
+        node.start()
+        yield node
+    finally:
+        node.teardown()
