@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moorage.demo_node import node_demo
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer
 
@@ -73,7 +74,8 @@ async def _nbd_demo(state: Path) -> None:
         listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
         port = listeners[0].socket.getsockname()[1]
         uri = f"nbd://127.0.0.1:{port}/demo-volume"
-        console.print(f"[bold]NBD server[/bold] listening on 127.0.0.1:{port}, export {uri}")
+        console.rule("[bold]NBD server")
+        console.print(f"listening on 127.0.0.1:{port}, export {uri}")
 
         info = json.loads(await _run([_need("nbdinfo"), "--json", uri]))
         exp = info["exports"][0]
@@ -139,11 +141,14 @@ async def _nbd_demo(state: Path) -> None:
 def demo(
     state_dir: Path = typer.Option(Path(".moorage"), "--state-dir", help="Where state lives."),
 ) -> None:
-    """Run the NBD server on a sparse image and drive it with real NBD clients."""
-    # The demo prints its own account; the server's per-connection log is noise here.
-    logging.getLogger("moorage.nbd").setLevel(logging.WARNING)
+    """Run the NBD server and a whole storage node, and drive them with real clients."""
+    # The demo prints its own account; the servers' own logs are noise here.
+    for name in ("moorage.nbd", "moorage.backend", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("moorage.ganesha").setLevel(logging.ERROR)
     try:
         trio.run(_nbd_demo, state_dir)
+        trio.run(node_demo, state_dir, console)
     except (RuntimeError, subprocess.SubprocessError) as e:
         console.print(f"[red]demo failed:[/red] {e}")
         raise typer.Exit(1) from e
