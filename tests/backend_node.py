@@ -4,6 +4,13 @@
 pool made for the test, can kill it (SIGKILL, with failpoints armed through
 MOORAGE_FAILPOINTS) and restart it on the same state, and tears everything
 down: daemon, ganesha, mounts, loop devices.
+
+With ``netns`` set the daemon runs inside that network namespace (``ip netns
+exec``) with a ``/run`` of its own, as in a container: rpcbind keeps its lock
+and socket there, so with the host's ``/run`` the node's rpcbind would abort
+("another rpcbind is already running") when the host runs one, and ganesha
+would register with the host's rpcbind through its socket.  Processes left in
+the namespace are the caller's to stop (``ip netns pids``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from backend.poolinit import init_loop_pool, release_loop_pool
 from tests.conftest import REPO, free_port
 
 POOL_SIZE = 4 << 30
+# ``ip netns exec`` gives the command a mount namespace of its own (a slave of
+# the host's): a tmpfs mounted on /run there is seen by the daemon and its
+# children only.
+_PRIVATE_RUN = 'mount -t tmpfs -o mode=0755,size=16m moorage-run /run && exec "$@"'
 
 
 @dataclass
@@ -34,6 +45,14 @@ class BackendNode:
     mount_port: int = field(default_factory=free_port)
     nbd_port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
+    # The network namespace to run in (None: the test's own), the address the
+    # NBD server listens on, and the NFS server address clients are given.
+    netns: str | None = None
+    nbd_host: str = "127.0.0.1"
+    nfs_advertise: str | None = None
+    # The API on TCP (HOST:PORT) instead of the unix socket, and its bearer token.
+    listen: str | None = None
+    token_file: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -51,14 +70,19 @@ class BackendNode:
 
     @property
     def address(self) -> str:
-        return f"unix:{self.socket}"
+        return self.listen or f"unix:{self.socket}"
 
     @property
     def log(self) -> Path:
         return self.root / "daemon.log"
 
     def argv(self) -> list[str]:
+        prefix: list[str] = []
+        if self.netns is not None:
+            prefix = ["ip", "netns", "exec", self.netns, "sh", "-c", _PRIVATE_RUN, "moorage-netns"]
+        advertise = ["--nfs-advertise", self.nfs_advertise] if self.nfs_advertise else []
         return [
+            *prefix,
             sys.executable,
             "-m",
             "moorage",
@@ -74,12 +98,15 @@ class BackendNode:
             "--mount-port",
             str(self.mount_port),
             "--nbd-listen",
-            f"127.0.0.1:{self.nbd_port}",
+            f"{self.nbd_host}:{self.nbd_port}",
             "--graceless",
             "--grace-period",
             "5",
             "--lease-lifetime",
             "5",
+            *advertise,
+            *(["--listen", self.listen] if self.listen else []),
+            *(["--token-file", str(self.token_file)] if self.token_file else []),
             *self.extra_args,
         ]
 
@@ -105,7 +132,7 @@ class BackendNode:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log_tail()}")
-            if self.socket.exists():
+            if self.listen or self.socket.exists():
                 try:
                     with self.client(timeout=5) as c:
                         if c.health().ganesha_running:
@@ -116,7 +143,7 @@ class BackendNode:
         raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log_tail()}")
 
     def client(self, timeout: float = 300) -> BackendClient:
-        return BackendClient(self.address, timeout=timeout)
+        return BackendClient(self.address, token_file=self.token_file, timeout=timeout)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``moorage`` against this node."""
@@ -165,22 +192,23 @@ class BackendNode:
 
     def nfs_url(self, export_path: str, file: str = "", version: int = 3) -> str:
         path = export_path.rstrip("/") + (f"/{file}" if file else "")
+        host = self.nfs_advertise or "127.0.0.1"
         if version == 3:
             return (
-                f"nfs://127.0.0.1{path}?nfsport={self.nfs_port}&mountport={self.mount_port}"
-                "&version=3"
+                f"nfs://{host}{path}?nfsport={self.nfs_port}&mountport={self.mount_port}&version=3"
             )
-        return f"nfs://127.0.0.1{path}?nfsport={self.nfs_port}&version=4"
+        return f"nfs://{host}{path}?nfsport={self.nfs_port}&version=4"
 
     def teardown(self) -> None:
         self.stop()
         _stop_orphan_ganesha(self.data_dir / "ganesha" / "ganesha.pid")
+        _stop_orphan_ganesha(self.data_dir / "ganesha" / "rpcbind.pid")
         if self.pool_dir.exists():
             release_loop_pool(self.pool_dir)
 
 
 def _stop_orphan_ganesha(pid_file: Path) -> None:
-    """A daemon killed and never restarted leaves its ganesha behind."""
+    """A daemon killed and never restarted leaves its ganesha (and rpcbind) behind."""
     try:
         pid = int(pid_file.read_text().split()[0])
         os.kill(pid, signal.SIGTERM)
@@ -195,9 +223,11 @@ def _stop_orphan_ganesha(pid_file: Path) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def make_node(root: Path, extra_args: Sequence[str] = ()) -> BackendNode:
+def make_node(
+    root: Path, extra_args: Sequence[str] = (), pool_size: int = POOL_SIZE
+) -> BackendNode:
     root.mkdir(parents=True, exist_ok=True)
-    init_loop_pool(root / "pool", POOL_SIZE)
+    init_loop_pool(root / "pool", pool_size)
     return BackendNode(root=root, extra_args=list(extra_args))
 
 

@@ -321,6 +321,8 @@ class GaneshaSupervisor:
                             self._ganesha = None
                             self._ready = False
                             await self._stop(self._rpcbind, 10.0)
+                            if self._rpcbind is not None:
+                                self._rpcbind_pid_file.unlink(missing_ok=True)
                             self._rpcbind = None
                             nursery.cancel_scope.cancel()
         finally:
@@ -374,21 +376,32 @@ class GaneshaSupervisor:
     def _needs_rpcbind(self) -> bool:
         return 3 in self.core.protocols
 
-    async def _stop_stale(self) -> None:
-        """Stop a ganesha a killed daemon left running on our configuration.
+    @property
+    def _rpcbind_pid_file(self) -> Path:
+        return self.pid_file.with_name("rpcbind.pid")
 
-        A SIGKILLed daemon cannot stop its child; that ganesha still holds the
-        ports and the pid file.  It is ours if its pid file names it and its
-        command line names our configuration file.
+    async def _stop_stale(self) -> None:
+        """Stop the ganesha (and rpcbind) a killed daemon left running.
+
+        A SIGKILLed daemon cannot stop its children; that ganesha still holds
+        the ports and the pid file, and its rpcbind holds port 111 with stale
+        registrations.  A ganesha is ours if its pid file names it and its
+        command line names our configuration file; an rpcbind if the pid file
+        we wrote when starting it names a process that is rpcbind.
         """
+        await self._stop_recorded(self.pid_file, str(self.config_file).encode())
+        await self._stop_recorded(self._rpcbind_pid_file, self.rpcbind_bin.encode())
+        self._rpcbind_pid_file.unlink(missing_ok=True)
+
+    async def _stop_recorded(self, pid_file: Path, marker: bytes) -> None:
         try:
-            pid = int(self.pid_file.read_text().split()[0])
+            pid = int(pid_file.read_text().split()[0])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             return
-        if str(self.config_file).encode() not in cmdline:
+        if not any(marker == arg or arg.endswith(b"/" + marker) for arg in cmdline):
             return
-        log.warning("stopping ganesha.nfsd (pid %d) left running by an earlier daemon", pid)
+        log.warning("stopping %s (pid %d) left running by an earlier daemon", cmdline[0], pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         with trio.move_on_after(self.stop_timeout):
@@ -660,6 +673,8 @@ class GaneshaSupervisor:
                     )
                 if await accepts_tcp("127.0.0.1", RPCBIND_PORT):
                     self._rpcbind = child
+                    # So a daemon restarted after a crash can stop this one.
+                    self._rpcbind_pid_file.write_text(f"{child.pid}\n")
                     return True
                 await trio.sleep(0.05)
         with trio.CancelScope(shield=True):
