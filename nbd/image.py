@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import time
 from pathlib import Path
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -23,6 +24,9 @@ _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int6
 _fallocate.restype = ctypes.c_int
 
 _ZERO_CHUNK = bytes(1 << 20)
+# An inline write slower than this pauses inline writes for the backoff.
+SLOW_INLINE_WRITE = 0.002
+INLINE_WRITE_BACKOFF = 1.0
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
@@ -47,6 +51,7 @@ class Image:
             raise
         self._nowait_reads = bool(_RWF_NOWAIT)
         self._nowait_writes = bool(_RWF_NOWAIT)
+        self._blocking_writes_after = 0.0
         self.can_punch = True
         self.can_zero_range = True
 
@@ -96,6 +101,31 @@ class Image:
                 self._nowait_writes = False
                 return 0
             raise
+
+    def write_inline(self, data: memoryview, offset: int) -> bool:
+        """Write into the page cache from the event loop; False: use a thread.
+
+        With RWF_NOWAIT the kernel says when a write would block.  Where the
+        filesystem does not support it for buffered writes (ext4), a plain
+        write is made and timed: one that took long (the kernel throttling
+        dirty pages) sends the writes of the next second to threads, so one
+        busy disk cannot stall every other connection for long.
+        """
+        if self._nowait_writes:
+            n = self.write_nowait(data, offset)
+            if n == len(data):
+                return True
+            if self._nowait_writes or n:
+                return False  # would block (or wrote part): a thread finishes it
+        now = time.monotonic()
+        if now < self._blocking_writes_after:
+            return False
+        done = 0
+        while done < len(data):
+            done += os.pwritev(self.fd, [data[done:]], offset + done)
+        if time.monotonic() - now > SLOW_INLINE_WRITE:
+            self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
+        return True
 
     def write(self, data: memoryview, offset: int, fua: bool = False) -> None:
         done = 0

@@ -20,7 +20,7 @@ from nbd import codec
 from nbd.codec import ProtocolError, Request
 from nbd.constants import MAX_PAYLOAD, Command, CommandFlag, Errno
 from nbd.handshake import BASE_ALLOCATION_ID, Session
-from nbd.transport import Buffer, PeerClosed, Transport
+from nbd.transport import Buffer, BufferPool, PeerClosed, ReplyQueue, Transport
 
 log = logging.getLogger("moorage.nbd")
 
@@ -88,9 +88,9 @@ class Transmission:
         self.label = label
         self.shutting_down = shutting_down
         self.reader_scope = trio.CancelScope()
-        self._send_lock = trio.Lock()
+        self.replies = ReplyQueue(transport)
+        self._buffers = BufferPool()
         self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
-        self._dead = False
         self._stopping = False
         self._awaiting_request = False
         self.requests = 0
@@ -109,14 +109,7 @@ class Transmission:
     # ------------------------------------------------------------ replies
 
     async def _send(self, parts: list[Buffer]) -> None:
-        if self._dead:
-            return
-        async with self._send_lock:
-            try:
-                await self.t.send(parts)
-            except PeerClosed:
-                self._dead = True
-                self.reader_scope.cancel()
+        await self.replies.put(parts)
 
     async def _ok(self, req: Request) -> None:
         await self._send([codec.encode_simple_reply(req.cookie)])
@@ -136,12 +129,22 @@ class Transmission:
     async def run(self) -> None:
         """Serve until the client disconnects, errs, or the server shuts down."""
         try:
-            async with trio.open_nursery() as nursery:
-                with self.reader_scope:
-                    await self._read_loop(nursery)
-                # The nursery now waits for every request already read.
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._write_replies)
+                async with trio.open_nursery() as nursery:
+                    with self.reader_scope:
+                        await self._read_loop(nursery)
+                    # The nursery now waits for every request already read.
+                self.replies.close()  # the writer sends what is queued, then ends
         finally:
             self.image.close()
+
+    async def _write_replies(self) -> None:
+        try:
+            await self.replies.run()
+        except PeerClosed:
+            log.debug("%s: client stopped taking replies", self.label)
+            self.reader_scope.cancel()
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
         while not self._stopping:
@@ -236,16 +239,18 @@ class Transmission:
                 if self.s.structured and req.length >= HOLE_CHECK_MIN and not req.flags:
                     # SEEK_DATA/SEEK_HOLE only walk the extent map: cheap enough inline.
                     extents = self.image.extents(req.offset, req.length, limit=64)
-                buf = bytearray(req.length)
                 all_hole = extents is not None and len(extents) == 1 and extents[0][1]
-                if not all_hole and (
-                    self.image.read_nowait(memoryview(buf), req.offset) != req.length
-                ):
+                if all_hole:
+                    await self._send_read(req, bytearray(req.length), extents)
+                    return True
+                buf = self._buffers.get(req.length)
+                if self.image.read_nowait(memoryview(buf), req.offset) != req.length:
+                    self._buffers.put(buf)
                     return False
-                await self._send_read(req, buf, extents)
+                await self._send_read(req, buf, extents, lambda: self._buffers.put(buf))
                 return True
             if req.type == Command.WRITE and payload is not None and not req.flags:
-                if self.image.write_nowait(memoryview(payload), req.offset) != req.length:
+                if not self.image.write_inline(memoryview(payload), req.offset):
                     return False
                 await self._ok(req)
                 return True
@@ -341,20 +346,23 @@ class Transmission:
         await self._send_read(req, buf, extents)
 
     async def _send_read(
-        self, req: Request, buf: bytearray, extents: list[tuple[int, bool]] | None
+        self,
+        req: Request,
+        buf: bytearray,
+        extents: list[tuple[int, bool]] | None,
+        sent: Callable[[], None] | None = None,
     ) -> None:
         cookie = req.cookie
         if not self.s.structured:
-            await self._send([codec.encode_simple_reply(cookie), buf])
+            await self.replies.put([codec.encode_simple_reply(cookie), buf], sent)
             return
         if (
             extents is None
             or not any(hole for _, hole in extents)
             or sum(n for n, _ in extents) != len(buf)
         ):
-            await self._send(
-                [codec.encode_offset_data_header(cookie, req.offset, len(buf), True), buf]
-            )
+            header = codec.encode_offset_data_header(cookie, req.offset, len(buf), True)
+            await self.replies.put([header, buf], sent)
             return
         parts: list[Buffer] = []
         view = memoryview(buf)
@@ -368,7 +376,7 @@ class Transmission:
                 parts.append(codec.encode_offset_data_header(cookie, offset, length, last))
                 parts.append(view[pos : pos + length])
             pos += length
-        await self._send(parts)
+        await self.replies.put(parts, sent)
 
     async def _block_status(self, req: Request) -> None:
         limit = 1 if req.flags & CommandFlag.REQ_ONE else MAX_EXTENTS

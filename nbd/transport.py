@@ -1,20 +1,22 @@
 """Bytes in and out of one NBD connection.
 
 Wraps a trio stream with an input buffer.  Plain sockets get a zero-copy
-path (``recv_into`` for payloads, ``sendmsg`` for header + data); TLS and
-stdio streams go through the generic stream interface.
+path (``recv_into`` a reusable buffer, ``sendmsg`` of many replies at once);
+TLS and stdio streams go through the generic stream interface.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 Buffer = bytes | bytearray | memoryview
 
 _RECV_CHUNK = 256 * 1024
+# Buffers in one sendmsg call (the kernel's IOV_MAX is 1024).
+_IOV_MAX = 512
 
 
 class PeerClosed(Exception):
@@ -23,50 +25,59 @@ class PeerClosed(Exception):
 
 class Transport:
     def __init__(self, stream: trio.abc.Stream) -> None:
-        self._buf = b""
-        self._pos = 0
+        self._rbuf = bytearray(_RECV_CHUNK)
+        self._rview = memoryview(self._rbuf)
+        self._start = 0
+        self._end = 0
         self.set_stream(stream)
 
     def set_stream(self, stream: trio.abc.Stream) -> None:
         """Switch to a new stream (after STARTTLS); buffered input is dropped."""
         self.stream = stream
         self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
-        self._buf = b""
-        self._pos = 0
+        self._start = self._end = 0
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return self._end - self._start
 
-    async def _receive(self, max_bytes: int) -> bytes:
+    async def _fill(self) -> None:
+        """Read more input into the buffer (at least one byte)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._rbuf):
+            # Move the partial message to the front; it is small (a header).
+            n = self._end - self._start
+            self._rbuf[:n] = self._rbuf[self._start : self._end]
+            self._start, self._end = 0, n
         try:
-            data = await self.stream.receive_some(max_bytes)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if self._sock is not None:
+                got = await self._sock.recv_into(self._rview[self._end :])
+            else:
+                data = await self.stream.receive_some(len(self._rbuf) - self._end)
+                got = len(data)
+                self._rbuf[self._end : self._end + got] = data
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             raise PeerClosed(str(e)) from e
-        if not data:
+        if not got:
             raise PeerClosed("end of stream")
-        return bytes(data)
+        self._end += got
 
     async def recv_exact(self, n: int) -> bytes:
         """Exactly ``n`` bytes, for headers and small messages."""
-        avail = len(self._buf) - self._pos
-        if avail >= n:
-            out = self._buf[self._pos : self._pos + n]
-            self._pos += n
-            return out
-        parts = [self._buf[self._pos :]] if avail else []
-        need = n - avail
-        self._buf, self._pos = b"", 0
-        while need:
-            data = await self._receive(max(need, _RECV_CHUNK))
-            if len(data) <= need:
-                parts.append(data)
-                need -= len(data)
-            else:
-                parts.append(data[:need])
-                self._buf, self._pos = data, need
-                need = 0
-        return b"".join(parts)
+        if n > len(self._rbuf):
+            big = bytearray(n)
+            await self.recv_into(memoryview(big))
+            return bytes(big)
+        while self._end - self._start < n:
+            if len(self._rbuf) - self._start < n:  # not enough room after start
+                m = self._end - self._start
+                self._rbuf[:m] = self._rbuf[self._start : self._end]
+                self._start, self._end = 0, m
+            await self._fill()
+        out = bytes(self._rview[self._start : self._start + n])
+        self._start += n
+        return out
 
     async def recv_payload(self, n: int) -> bytearray:
         """Exactly ``n`` bytes into a fresh buffer, for write payloads."""
@@ -76,13 +87,13 @@ class Transport:
 
     async def recv_into(self, view: memoryview) -> None:
         n = len(view)
-        take = min(len(self._buf) - self._pos, n)
+        take = min(self._end - self._start, n)
         if take:
-            view[:take] = self._buf[self._pos : self._pos + take]
-            self._pos += take
+            view[:take] = self._rview[self._start : self._start + take]
+            self._start += take
         got = take
-        if self._sock is not None:
-            while got < n:
+        while got < n:
+            if self._sock is not None:
                 try:
                     k = await self._sock.recv_into(view[got:])
                 except OSError as e:
@@ -90,17 +101,22 @@ class Transport:
                 if k == 0:
                     raise PeerClosed("end of stream in payload")
                 got += k
-        else:
-            while got < n:
-                data = await self._receive(n - got)
+            else:
+                try:
+                    data = await self.stream.receive_some(n - got)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    raise PeerClosed(str(e)) from e
+                if not data:
+                    raise PeerClosed("end of stream in payload")
                 view[got : got + len(data)] = data
                 got += len(data)
 
     async def discard(self, n: int) -> None:
         """Consume and drop ``n`` bytes (an oversize payload we refuse)."""
+        scratch = memoryview(bytearray(min(n, _RECV_CHUNK)))
         while n:
-            take = min(n, _RECV_CHUNK)
-            await self.recv_exact(take)
+            take = min(n, len(scratch))
+            await self.recv_into(scratch[:take])
             n -= take
 
     async def send(self, parts: Sequence[Buffer]) -> None:
@@ -110,7 +126,7 @@ class Transport:
                 return
             views = [memoryview(p).cast("B") for p in parts if len(p)]
             while views:
-                sent = await self._sock.sendmsg(views)
+                sent = await self._sock.sendmsg(views[:_IOV_MAX])
                 while views and sent >= len(views[0]):
                     sent -= len(views[0])
                     views.pop(0)
@@ -124,3 +140,90 @@ class Transport:
     async def aclose(self) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await self.stream.aclose()
+
+
+class BufferPool:
+    """Read buffers reused once their reply is sent.
+
+    A fresh ``bytearray`` of a few hundred KiB costs page faults on every
+    request; sequential readers ask for the same size over and over.
+    """
+
+    def __init__(self, max_size: int = 1024 * 1024, keep: int = 64) -> None:
+        self.max_size = max_size
+        self.keep = keep
+        self._free: dict[int, list[bytearray]] = {}
+
+    def get(self, size: int) -> bytearray:
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        return bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        size = len(buf)
+        if size > self.max_size:
+            return
+        free = self._free.setdefault(size, [])
+        if len(free) < self.keep:
+            free.append(buf)
+
+
+class ReplyQueue:
+    """The single writer of one connection.
+
+    Replies are queued whole (so one reply's pieces are never split by
+    another's) and a writer task sends everything queued in one ``sendmsg``.
+    Queuing waits only while more than ``limit`` bytes are unsent.
+    """
+
+    def __init__(self, transport: Transport, limit: int = 16 * 1024 * 1024) -> None:
+        self.t = transport
+        self.limit = limit
+        self._parts: list[Buffer] = []
+        self._sent: list[Callable[[], None]] = []
+        self._bytes = 0
+        self._queued = trio.Event()
+        self._drained = trio.Event()
+        self._closing = False
+        self.dead = False
+
+    async def put(self, parts: Sequence[Buffer], sent: Callable[[], None] | None = None) -> None:
+        """Queue one reply; ``sent`` is called once its bytes are on the socket."""
+        while self._bytes > self.limit and not self.dead:
+            await self._drained.wait()
+        if self.dead:
+            return
+        self._parts.extend(parts)
+        self._bytes += sum(len(p) for p in parts)
+        if sent is not None:
+            self._sent.append(sent)
+        self._queued.set()
+
+    def close(self) -> None:
+        """Send what is queued, then make ``run`` return."""
+        self._closing = True
+        self._queued.set()
+
+    async def run(self) -> None:
+        """Send queued replies until closed; raises PeerClosed if the peer goes."""
+        try:
+            while True:
+                await self._queued.wait()
+                self._queued = trio.Event()
+                while self._parts:
+                    parts, self._parts = self._parts, []
+                    callbacks, self._sent = self._sent, []
+                    self._bytes = 0
+                    drained, self._drained = self._drained, trio.Event()
+                    drained.set()
+                    await self.t.send(parts)
+                    for callback in callbacks:
+                        callback()
+                if self._closing:
+                    return
+        except PeerClosed:
+            self.dead = True
+            self._parts = []
+            self._drained.set()
+            raise
