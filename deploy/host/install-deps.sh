@@ -32,6 +32,9 @@ packages=(
     postgresql
     # building the virtualenv
     python3 python3-venv python3-dev gcc make
+    # kernel uapi headers (linux/nbd-netlink.h, linux/nbd.h, linux/netlink.h): the
+    # kernel nbd attach code's hard-coded values are tested against them
+    linux-libc-dev
 )
 
 missing=()
