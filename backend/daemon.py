@@ -166,10 +166,22 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
     return server
 
 
+def check_api_access(config: DaemonConfig) -> None:
+    """Refuse an API on TCP open to anyone, before anything is started or mounted."""
+    if config.api_address.startswith("unix:"):
+        return
+    mutual_tls = bool(config.api_tls_cert and config.api_tls_key and config.api_client_ca)
+    if config.token_file is None and not mutual_tls:
+        raise InvalidArgument("a TCP API needs --token-file or client certificates")
+    if config.token_file is not None:
+        read_token(config.token_file)
+
+
 async def run_daemon(
     config: DaemonConfig, *, task_status: trio.TaskStatus[StorageService] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the storage node until SIGTERM/SIGINT or cancellation."""
+    check_api_access(config)
     data_dir = config.data_dir.absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
     await trio.to_thread.run_sync(ensure_pool_mounted, config.pool)

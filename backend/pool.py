@@ -500,6 +500,11 @@ class Pool:
             fsync_path(image)
         self._grow_mounted_fs(vol_id, fs_type)
 
+    @staticmethod
+    def grows_online(fs_type: str) -> bool:
+        """Whether a filesystem of this type can grow while exported (mounted and held)."""
+        return fs_type != "ext4" or _can_resize_ext4_online()
+
     # snapshots and clones
 
     def snapshot(self, vol_id: str, snap_id: str, fs_type: str | None) -> Path:

@@ -549,6 +549,16 @@ class StorageService:
                 if v.state == VolumeState.READY:
                     if new_size <= v.size_bytes:
                         return self._volume_info(s, v)  # already that big: nothing to do
+                    if (
+                        v.fs_type is not None
+                        and not self.pool.grows_online(v.fs_type.value)
+                        and publications_of(s, vol_id)
+                    ):
+                        # Refused before the intent is recorded: the volume stays ready.
+                        raise FailedPrecondition(
+                            f"volume {vol_id} is {v.fs_type.value}, which this host grows only "
+                            "offline: unpublish it first"
+                        )
                     self._check_capacity(s, new_size - v.size_bytes)
                     v.state = VolumeState.EXPANDING
                     record_operation(s, OperationKind.EXPAND_VOLUME, vol_id, {"size": new_size})

@@ -138,6 +138,10 @@ def volume_create(
     kinds = {"nbd": pb.NBD, "nfs": pb.NFS}
     if type_ not in kinds:
         raise typer.BadParameter("must be nbd or nfs", param_hint="--type")
+    if from_snapshot and from_volume:
+        raise typer.BadParameter(
+            "give --from-snapshot or --from-volume, not both", param_hint="--from-volume"
+        )
     params = {k: v for k, v in (("fs_type", fs_type), ("squash", squash)) if v is not None}
     with _client() as c:
         req = pb.CreateVolumeRequest(
