@@ -7,6 +7,8 @@ work opens its own with ``Catalog.session()``.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +74,15 @@ class Catalog:
             event.listen(self.engine, "begin", _sqlite_begin)
         # Objects stay readable after their session commits and closes.
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # SQLite has one writer at a time and every session here begins
+        # IMMEDIATE; threads waiting in SQLite's busy handler poll with
+        # sleeps, so queue them on a lock instead, which wakes the next one
+        # as soon as the previous commits.
+        self._serial: contextlib.AbstractContextManager[object] = (
+            threading.Lock()
+            if self.url.get_backend_name() == "sqlite"
+            else contextlib.nullcontext()
+        )
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Catalog:
@@ -82,7 +93,7 @@ class Catalog:
     @contextmanager
     def session(self) -> Iterator[Session]:
         """One unit of work: commits when the block ends, rolls back if it raises."""
-        with self._sessions() as session, session.begin():
+        with self._serial, self._sessions() as session, session.begin():
             yield session
 
     def migrate(self) -> None:
