@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -367,14 +368,33 @@ async def test_nfs_port_in_use_is_unavailable_and_starts_nothing(node: Node) -> 
     assert node.supervisor.pid is None
 
 
+_HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "w")
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
 async def test_ganesha_that_exits_at_start_is_unavailable_with_its_reason(node: Node) -> None:
     node.files.sync([node.export(1)])
     node.supervisor.pid_file.parent.mkdir(parents=True, exist_ok=True)
-    # what a ganesha left over from an earlier run does: hold the pid file's lock
-    with node.supervisor.pid_file.open("w") as pid_file:
-        fcntl.lockf(pid_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # What a ganesha left over from an earlier run does: hold the pid file's
+    # lock.  From another process: a POSIX lock of this process would be
+    # dropped as soon as the supervisor closes the pid file after reading it.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(node.supervisor.pid_file)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == b"locked\n"
         with pytest.raises(Unavailable, match="before it answered") as failure:
             await node.supervisor.run()
+    finally:
+        holder.kill()
+        holder.wait()
     assert "Ganesha already started" in str(failure.value)
     assert processes_using(node.files.main_file) == []
     assert node.supervisor.pid is None
