@@ -770,6 +770,7 @@ def mount_nfs(
     timeout: float | None = ...,
     allow_other: bool = ...,
     ready_timeout: float = ...,
+    log_file: str | os.PathLike[str] | None = ...,
 ) -> None: ...
 
 
@@ -787,6 +788,7 @@ def mount_nfs(
     timeout: float | None = ...,
     allow_other: bool = ...,
     ready_timeout: float = ...,
+    log_file: str | os.PathLike[str] | None = ...,
 ) -> int: ...
 
 
@@ -803,6 +805,7 @@ def mount_nfs(
     timeout: float | None = None,
     allow_other: bool = True,
     ready_timeout: float = 60.0,
+    log_file: str | os.PathLike[str] | None = None,
 ) -> int | None:
     """Mount ``server:port:export_path`` on ``mountpoint`` over NFSv3.
 
@@ -810,7 +813,9 @@ def mount_nfs(
     Otherwise start ``python -m fuse.nfsmount`` in a session of its own,
     wait until its mount is in place and return its pid; it serves until
     :func:`unmount` (or SIGTERM).  A mount that fails raises
-    :class:`MountError` with the reason.
+    :class:`MountError` with the reason.  The background process logs to
+    ``log_file`` (nowhere if None) and runs from "/": it outlives its caller
+    and must hold neither the caller's stderr nor its working directory.
     """
     export = NFSExport(server, port, export_path, mount_port)
     if foreground:
@@ -828,7 +833,7 @@ def mount_nfs(
         "-m",
         "fuse.nfsmount",
         f"{export.server}:{export.port}:{export.path}",
-        os.fspath(mountpoint),
+        os.path.abspath(mountpoint),
         "--contexts",
         str(contexts),
         "--cache-timeout",
@@ -841,14 +846,23 @@ def mount_nfs(
     if not allow_other:
         argv.append("--no-allow-other")
     what = f"{export.fsname} on {os.fspath(mountpoint)}"
-    return _start_mount_process(argv, mountpoint, what, ready_timeout)
+    return _start_mount_process(argv, mountpoint, what, ready_timeout, log_file)
 
 
 def _start_mount_process(
-    argv: list[str], mountpoint: str | os.PathLike[str], what: str, ready_timeout: float
+    argv: list[str],
+    mountpoint: str | os.PathLike[str],
+    what: str,
+    ready_timeout: float,
+    log_file: str | os.PathLike[str] | None,
 ) -> int:
     """Run a mount process (``argv`` without ``--ready-fd``); its pid once it is ready."""
     mounted_before = is_mounted(mountpoint)
+    log_fd = (
+        os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        if log_file is not None
+        else subprocess.DEVNULL
+    )
     read_end, write_end = os.pipe()
     try:
         proc = subprocess.Popen(
@@ -856,6 +870,8 @@ def _start_mount_process(
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
+            stderr=log_fd,
+            cwd="/",
             start_new_session=True,
         )
     except BaseException:
@@ -863,6 +879,8 @@ def _start_mount_process(
         raise
     finally:
         os.close(write_end)
+        if log_fd != subprocess.DEVNULL:
+            os.close(log_fd)
     with os.fdopen(read_end, "rb") as pipe:
         # the child writes one line: "ready" or "error: <reason>"; EOF means it died
         answer = _read_line(pipe.fileno(), ready_timeout)

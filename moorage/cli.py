@@ -6,7 +6,7 @@ import logging
 
 import typer
 
-from moorage import admin_cmd, backend_cmd, demo, nbd_cmd
+from moorage import admin_cmd, attach_cmd, backend_cmd, demo, nbd_cmd
 
 app = typer.Typer(
     help="moorage: a self-hosted storage node (NFS and NBD) with a Kubernetes CSI driver.",
@@ -20,6 +20,10 @@ app.add_typer(admin_cmd.volume_app, name="volume")
 app.add_typer(admin_cmd.snapshot_app, name="snapshot")
 app.add_typer(admin_cmd.pool_app, name="pool")
 app.command(name="demo")(demo.demo)
+app.add_typer(attach_cmd.attach_app, name="attach")
+app.command(name="detach")(attach_cmd.detach)
+app.add_typer(attach_cmd.mount_app, name="mount")
+app.command(name="unmount")(attach_cmd.unmount)
 
 
 @app.callback()

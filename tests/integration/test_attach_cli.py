@@ -1,0 +1,559 @@
+"""``moorage attach|detach|mount|unmount`` and the probe behind them (``csi.attach``).
+
+Three kinds of test:
+
+- the probe on this host, through the real CLI in a subprocess: this kernel
+  has no nbd module and no NFS client, so block is fuse-loop and NFS is
+  fuse-nfs, and forcing a kernel path fails saying why;
+- the kernel paths, in process, with the host facts and the kernel calls
+  faked (they cannot run here): what gets recorded, which argv runs;
+- end to end through the CLI: an NBD export of a sparse image attached as a
+  loop device, formatted, mounted, written, detached; an NFS export of a
+  real ganesha mounted through FUSE and unmounted.
+
+Every fixture undoes what it made (mounts, devices, processes) whatever the
+test's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from csi import attach, mounts
+from moorage.cli import app
+from nbd import client as nbd_client
+from nbd import kernel as nbd_kernel
+from tests.conftest import REPO, NBDServerFactory, run, sparse_image
+from tests.integration.test_fuse_nfs import Ganesha, running_ganesha
+
+MiB = 1 << 20
+TIMEOUT = 120
+
+
+def moorage(
+    *args: str, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``python -m moorage ARGS`` with no attach override from the caller's environment."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (attach.BLOCK_PATH_ENV, attach.NFS_PATH_ENV, "MOORAGE_ATTACH_STATE_DIR")
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "moorage", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**base, **(env or {})},
+        cwd=REPO,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"moorage {' '.join(args)} exited {result.returncode}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}"
+        )
+    return result
+
+
+# ------------------------------------------------------------------ the probe on this host
+
+
+def test_probe_on_this_host_picks_the_fuse_paths_and_says_why() -> None:
+    kernel_ok, kernel_reason = nbd_kernel.kernel_nbd_available()
+    assert not kernel_ok, "this test documents a host without kernel nbd"
+    out = moorage("attach", "probe").stdout
+    lines = out.splitlines()
+    assert lines[0] == "block: fuse-loop"
+    assert "kernel nbd unavailable" in lines[1]
+    assert "/dev/fuse" in lines[1] and "/dev/loop-control" in lines[1]
+    assert lines[2] == "nfs: fuse-nfs"
+    assert "kernel NFS client unavailable" in lines[3]
+
+    plan = json.loads(moorage("attach", "probe", "--json").stdout)
+    assert (plan["block"], plan["nfs"]) == ("fuse-loop", "fuse-nfs")
+    assert plan["block_reason"].startswith(kernel_reason.split(":")[0])
+
+
+def test_forcing_a_path_this_host_lacks_fails_with_the_reason(tmp_path: Path) -> None:
+    result = moorage("attach", "probe", env={attach.BLOCK_PATH_ENV: "kernel-nbd"}, check=False)
+    assert result.returncode == 1
+    assert "MOORAGE_BLOCK_PATH=kernel-nbd cannot be used on this host" in result.stderr
+    assert "kernel nbd unavailable" in result.stderr
+
+    result = moorage("attach", "probe", env={attach.NFS_PATH_ENV: "kernel-nfs"}, check=False)
+    assert result.returncode == 1
+    assert "MOORAGE_NFS_PATH=kernel-nfs cannot be used on this host" in result.stderr
+
+    # the commands that act refuse the same way, before touching anything
+    state = tmp_path / "state"
+    result = moorage(
+        "attach",
+        "nbd",
+        "nbd://127.0.0.1:1/x",
+        "--state-dir",
+        str(state),
+        env={attach.BLOCK_PATH_ENV: "kernel-nbd"},
+        check=False,
+    )
+    assert result.returncode == 1 and "kernel nbd unavailable" in result.stderr
+    assert not state.exists()
+
+    result = moorage("attach", "probe", env={attach.BLOCK_PATH_ENV: "bogus"}, check=False)
+    assert result.returncode == 1
+    assert "expected auto, kernel-nbd or fuse-loop" in result.stderr
+
+
+def test_forcing_an_available_path_says_so() -> None:
+    out = moorage(
+        "attach", "probe", env={attach.BLOCK_PATH_ENV: "fuse-loop", attach.NFS_PATH_ENV: "auto"}
+    ).stdout
+    assert "forced by MOORAGE_BLOCK_PATH" in out
+    assert "nfs: fuse-nfs" in out
+
+
+def test_every_command_has_help() -> None:
+    for command in (
+        ["attach"],
+        ["attach", "nbd"],
+        ["attach", "list"],
+        ["attach", "probe"],
+        ["detach"],
+        ["mount"],
+        ["mount", "nfs"],
+        ["unmount"],
+    ):
+        out = moorage(*command, "--help").stdout
+        assert "Usage:" in out, command
+
+
+# ------------------------------------------------------------------ kernel paths, faked
+
+runner = CliRunner()
+
+
+def invoke(*args: str) -> Any:
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+@dataclass
+class FakeKernel:
+    attached: list[str]
+    detached: list[str]
+    sockets: list[socket.socket]
+
+
+@pytest.fixture
+def fake_kernel_nbd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeKernel:
+    """A host whose kernel has nbd: probe says so, attach/detach are recorded, sysfs faked."""
+    sys_block = tmp_path / "sys-block"
+    sys_block.mkdir()
+    fake = FakeKernel([], [], [])
+    monkeypatch.delenv(attach.BLOCK_PATH_ENV, raising=False)
+    monkeypatch.setattr(
+        nbd_kernel,
+        "kernel_nbd_available",
+        lambda **_: (True, "kernel nbd available: generic netlink family 'nbd' (id 33)"),
+    )
+    monkeypatch.setattr(nbd_kernel, "SYS_BLOCK", sys_block)
+
+    @dataclass
+    class Negotiated:
+        sock: socket.socket
+
+    def connect_uri(uri: str, timeout: float = 30.0) -> Negotiated:
+        a, b = socket.socketpair()
+        b.close()
+        fake.sockets.append(a)
+        return Negotiated(a)
+
+    def attach_kernel(negotiated: Negotiated, **kwargs: object) -> str:
+        fake.attached.append(str(kwargs.get("backend_identifier")))
+        (sys_block / "nbd3").mkdir()
+        (sys_block / "nbd3" / "pid").write_text("1\n")
+        return "/dev/nbd3"
+
+    def detach_kernel(device: str) -> None:
+        fake.detached.append(device)
+        (sys_block / "nbd3" / "pid").unlink()
+
+    monkeypatch.setattr(nbd_client, "connect_uri", connect_uri)
+    monkeypatch.setattr(nbd_kernel, "attach_kernel", attach_kernel)
+    monkeypatch.setattr(nbd_kernel, "detach_kernel", detach_kernel)
+    return fake
+
+
+def test_kernel_nbd_attach_is_recorded_listed_repeated_and_detached(
+    fake_kernel_nbd: FakeKernel, tmp_path: Path
+) -> None:
+    state = str(tmp_path / "state")
+    uri = "nbd://10.0.0.5:10809/vol-1"
+    plan = attach.probe({})
+    assert plan.block == "kernel-nbd"
+    assert "generic netlink" in plan.block_reason
+
+    result = invoke("attach", "nbd", uri, "--state-dir", state)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "/dev/nbd3"
+    assert fake_kernel_nbd.attached == [uri]  # the URI is the kernel's backend identifier
+    # the kernel holds its own reference: ours is closed
+    assert [s.fileno() for s in fake_kernel_nbd.sockets] == [-1]
+    # attaching the same URI again answers the same device, without a second attach
+    assert invoke("attach", "nbd", uri, "--state-dir", state).stdout.strip() == "/dev/nbd3"
+    assert len(fake_kernel_nbd.attached) == 1
+
+    listed = json.loads(invoke("attach", "list", "--json", "--state-dir", state).stdout)
+    assert listed == [
+        {"device": "/dev/nbd3", "uri": uri, "path": "kernel-nbd", "mountpoint": None, "pid": None}
+    ]
+    table = invoke("attach", "list", "--state-dir", state).stdout
+    assert "/dev/nbd3" in table and "kernel-nbd" in table
+
+    assert invoke("detach", "/dev/nbd3", "--state-dir", state).exit_code == 0
+    assert fake_kernel_nbd.detached == ["/dev/nbd3"]
+    assert json.loads(invoke("attach", "list", "--json", "--state-dir", state).stdout) == []
+    # detaching again: nothing attached, nothing done
+    assert invoke("detach", "/dev/nbd3", "--state-dir", state).exit_code == 0
+    assert invoke("detach", uri, "--state-dir", state).exit_code == 0
+    assert fake_kernel_nbd.detached == ["/dev/nbd3"]
+
+
+def test_a_kernel_record_whose_device_is_gone_is_replaced(
+    fake_kernel_nbd: FakeKernel, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    uri = "nbd://10.0.0.5/vol-2"
+    (state / attach.KERNEL_STATE).mkdir(parents=True)
+    stale = {"device": "/dev/nbd7", "uri": uri}
+    (state / attach.KERNEL_STATE / "nbd7.json").write_text(json.dumps(stale))
+    assert [a.device for a in attach.list_block_attachments(state)] == ["/dev/nbd7"]
+    # /dev/nbd7 is not connected (no sysfs pid): attach again, and forget the old record
+    assert attach.attach_block(uri, state, attach.probe({})) == "/dev/nbd3"
+    assert [a.device for a in attach.list_block_attachments(state)] == ["/dev/nbd3"]
+    assert fake_kernel_nbd.detached == []
+
+
+def test_a_bad_nbd_uri_is_refused_before_connecting(
+    fake_kernel_nbd: FakeKernel, tmp_path: Path
+) -> None:
+    result = runner.invoke(app, ["attach", "nbd", "http://x/y", "--state-dir", str(tmp_path / "s")])
+    assert result.exit_code == 1
+    assert "not an NBD URI" in result.stderr
+    assert fake_kernel_nbd.attached == []
+
+
+@pytest.fixture
+def kernel_nfs_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
+    """A host with a kernel NFS client; the tools csi.mounts runs are recorded, not run."""
+    filesystems = tmp_path / "filesystems"
+    filesystems.write_text("nodev\tsysfs\nnodev\tnfs\nnodev\tnfs4\n\text4\n")
+    helper = tmp_path / "mount.nfs4"
+    helper.write_text("#!/bin/sh\nexit 0\n")
+    helper.chmod(0o755)
+    monkeypatch.delenv(attach.NFS_PATH_ENV, raising=False)
+    monkeypatch.setattr(attach, "PROC_FILESYSTEMS", filesystems)
+    monkeypatch.setattr(attach, "MOUNT_NFS4", (helper,))
+    calls: list[list[str]] = []
+
+    def fake_run(argv: Sequence[str], timeout: float, ok: Sequence[int] = (0,)) -> None:
+        calls.append(list(argv))
+
+    monkeypatch.setattr(mounts, "_run", fake_run)
+    return calls
+
+
+def test_kernel_nfs_mount_is_one_nfs4_mount_argv(
+    kernel_nfs_host: list[list[str]], tmp_path: Path
+) -> None:
+    plan = attach.probe({})
+    assert plan.nfs == "kernel-nfs"
+    assert "nfs in" in plan.nfs_reason or "nfs4 in" in plan.nfs_reason
+    target = tmp_path / "mnt dir"
+    target.mkdir()
+    assert invoke("mount", "nfs", "10.1.2.3:/volumes/v1", str(target), "--read-only").exit_code == 0
+    assert invoke("mount", "nfs", "nfs.example:20490:/volumes/v2", str(target)).exit_code == 0
+    assert invoke("mount", "nfs", "[fd00::1]:/v3", str(target)).exit_code == 0
+    assert kernel_nfs_host == [
+        [
+            "mount",
+            "-t",
+            "nfs4",
+            "-o",
+            "port=2049,vers=4.1,ro",
+            "--",
+            "10.1.2.3:/volumes/v1",
+            str(target),
+        ],
+        [
+            "mount",
+            "-t",
+            "nfs4",
+            "-o",
+            "port=20490,vers=4.1",
+            "--",
+            "nfs.example:/volumes/v2",
+            str(target),
+        ],
+        ["mount", "-t", "nfs4", "-o", "port=2049,vers=4.1", "--", "[fd00::1]:/v3", str(target)],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no-path", "expected SERVER[:PORT]:/PATH"),
+        ("host:99999:/x", "port out of range"),
+        ("host:/x,rw", "export path must be an absolute path"),
+        ("ho st:/x", "must be a host name or address"),
+    ],
+)
+def test_bad_nfs_exports_are_refused(
+    kernel_nfs_host: list[list[str]], tmp_path: Path, spec: str, message: str
+) -> None:
+    result = runner.invoke(app, ["mount", "nfs", spec, str(tmp_path)])
+    assert result.exit_code != 0
+    assert message in result.output + result.stderr
+    assert kernel_nfs_host == []
+
+
+def test_a_host_with_no_path_at_all_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(attach.BLOCK_PATH_ENV, raising=False)
+    monkeypatch.setattr(attach, "DEV_FUSE", tmp_path / "no-fuse")
+    monkeypatch.setattr(
+        nbd_kernel, "kernel_nbd_available", lambda **_: (False, "kernel nbd unavailable: test")
+    )
+    plan = attach.probe({})
+    assert plan.block is None and plan.nfs is None
+    assert "kernel nbd unavailable: test" in plan.block_reason
+    assert "no-fuse" in plan.block_reason
+    out = invoke("attach", "probe").stdout
+    assert "block: none" in out and "nfs: none" in out
+    with pytest.raises(attach.PathUnavailable, match="no block path"):
+        attach.attach_block("nbd://h/x", tmp_path, plan)
+
+
+def test_configuration_keys_are_checked() -> None:
+    with pytest.raises(attach.PathUnavailable, match="unknown attach configuration"):
+        attach.probe({"block": "fuse-loop"})
+    plan = attach.probe({"block_path": "fuse-loop", "nfs_path": "fuse-nfs"})
+    assert "forced by block_path" in plan.block_reason
+
+
+def test_unmount_refuses_what_is_not_nfs(tmp_path: Path) -> None:
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    mounts.bind_mount(source, target)
+    try:
+        result = runner.invoke(app, ["unmount", str(target)])
+        assert result.exit_code == 1
+        assert "is not an NFS mount" in result.stderr
+        assert mounts.is_mount_point(target)
+    finally:
+        mounts.unmount(target)
+    assert invoke("unmount", str(target)).exit_code == 0  # nothing mounted: no-op
+
+
+def test_the_fuse_nfs_type_matches_fuse_nfsmount() -> None:
+    from fuse import nfsmount
+
+    assert f"fuse.{nfsmount.FSTYPE}" == attach.FUSE_NFS_FSTYPE
+
+
+# ------------------------------------------------------------------ end to end: block
+
+
+def loop_devices_of(image: Path) -> list[str]:
+    out = run(["losetup", "--noheadings", "-O", "NAME,BACK-FILE", "-l"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split()[1:] == [str(image)]]
+
+
+@dataclass
+class BlockEnv:
+    state: Path
+    mnt: Path
+
+
+@pytest.fixture
+def block_env(tmp_path: Path) -> Iterator[BlockEnv]:
+    env = BlockEnv(state=tmp_path / "state", mnt=tmp_path / "mnt")
+    env.mnt.mkdir()
+    try:
+        yield env
+    finally:
+        try:
+            mounts.unmount(env.mnt)
+        except mounts.MountError:
+            mounts.unmount(env.mnt, lazy=True)
+        for a in attach.list_block_attachments(env.state):
+            with contextlib.suppress(attach.AttachError):
+                attach.detach_block(a.device, env.state)
+
+
+def test_an_nbd_export_attached_formatted_mounted_and_detached_through_the_cli(
+    nbd_servers: NBDServerFactory, tmp_path: Path, block_env: BlockEnv
+) -> None:
+    image = sparse_image(tmp_path / "vol.img", 64 * MiB)
+    server = nbd_servers.start({"x": image})
+    uri = server.uri("x")
+    state = str(block_env.state)
+
+    device = moorage("attach", "nbd", uri, "--state-dir", state).stdout.strip()
+    assert device.startswith("/dev/loop"), device
+    assert Path(device).is_block_device()
+    # again: the same device, nothing new attached
+    assert moorage("attach", "nbd", uri, "--state-dir", state).stdout.strip() == device
+
+    listed = json.loads(moorage("attach", "list", "--json", "--state-dir", state).stdout)
+    assert [(a["device"], a["uri"], a["path"]) for a in listed] == [(device, uri, "fuse-loop")]
+    assert device in moorage("attach", "list", "--state-dir", state).stdout
+
+    assert mounts.format_device(device, "ext4") is True
+    mounts.mount(device, block_env.mnt, "ext4")
+    payload = os.urandom(3 * MiB)
+    (block_env.mnt / "payload.bin").write_bytes(payload)
+    # a mounted device is not detached: the FUSE process must outlive its users
+    busy = moorage("detach", device, "--state-dir", state, check=False)
+    assert busy.returncode == 1 and device in busy.stderr, busy.stderr
+    assert [a.device for a in attach.list_block_attachments(block_env.state)] == [device]
+    mounts.unmount(block_env.mnt)
+
+    moorage("detach", device, "--state-dir", state)
+    assert json.loads(moorage("attach", "list", "--json", "--state-dir", state).stdout) == []
+    assert not any(a.device == device for a in attach.list_block_attachments(block_env.state))
+    moorage("detach", device, "--state-dir", state)  # again: no-op
+
+    # what was written went through NBD into the image: read it back without a mount
+    out = subprocess.run(
+        ["debugfs", "-R", "cat /payload.bin", str(image)],
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=True,
+    )
+    assert out.stdout == payload
+
+
+# ------------------------------------------------------------------ end to end: NFS
+
+
+@pytest.fixture(scope="module")
+def ganesha() -> Iterator[Ganesha]:
+    with running_ganesha(size="64m") as g:
+        yield g
+
+
+def mount_processes(mountpoint: Path) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-f", f"fuse.nfsmount .* {mountpoint} "],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+@pytest.fixture
+def nfs_mountpoint(ganesha: Ganesha) -> Iterator[Path]:
+    mountpoint = ganesha.base / "mnt" / f"cli-{uuid.uuid4().hex[:8]}"
+    mountpoint.mkdir(parents=True)
+    try:
+        yield mountpoint
+    finally:
+        if mounts.is_mount_point(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], timeout=30, check=False)
+        for pid in mount_processes(mountpoint):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+
+def wait_gone(mountpoint: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while mount_processes(mountpoint):
+        assert time.monotonic() < deadline, "the FUSE mount process outlived its mount"
+        time.sleep(0.05)
+
+
+def test_an_nfs_export_mounted_and_unmounted_through_the_cli(
+    ganesha: Ganesha, nfs_mountpoint: Path
+) -> None:
+    spec = f"127.0.0.1:{ganesha.core.nfs_port}:{ganesha.export.pseudo}"
+    options = ["--mount-port", str(ganesha.mount_port), "--state-dir", str(ganesha.base / "state")]
+    moorage("mount", "nfs", spec, str(nfs_mountpoint), *options)
+    info = mounts.mount_info(nfs_mountpoint)
+    assert info is not None and info.fstype == attach.FUSE_NFS_FSTYPE
+    assert len(mount_processes(nfs_mountpoint)) == 1  # it outlived the command that started it
+    assert list((ganesha.base / "state" / "fuse-nfs").glob(f"{nfs_mountpoint.name}-*.log"))
+
+    name = f"cli-{uuid.uuid4().hex[:6]}.txt"
+    (nfs_mountpoint / name).write_text("through moorage mount nfs\n")
+    assert (ganesha.directory / name).read_text() == "through moorage mount nfs\n"
+
+    # the same export again: already there, nothing new
+    moorage("mount", "nfs", spec, str(nfs_mountpoint), *options)
+    assert len([e for e in mounts.mount_entries() if e.mount_point == str(nfs_mountpoint)]) == 1
+
+    moorage("unmount", str(nfs_mountpoint))
+    assert not mounts.is_mount_point(nfs_mountpoint)
+    wait_gone(nfs_mountpoint)
+    moorage("unmount", str(nfs_mountpoint))  # again: no-op
+    (ganesha.directory / name).unlink()
+
+
+def test_a_read_only_nfs_mount_refuses_writes(ganesha: Ganesha, nfs_mountpoint: Path) -> None:
+    (ganesha.directory / "ro-visible.txt").write_text("seen\n")
+    spec = f"127.0.0.1:{ganesha.core.nfs_port}:{ganesha.export.pseudo}"
+    moorage(
+        "mount",
+        "nfs",
+        spec,
+        str(nfs_mountpoint),
+        "--mount-port",
+        str(ganesha.mount_port),
+        "--state-dir",
+        str(ganesha.base / "state"),
+        "--read-only",
+    )
+    assert (nfs_mountpoint / "ro-visible.txt").read_text() == "seen\n"
+    with pytest.raises(OSError) as caught:
+        (nfs_mountpoint / "nope.txt").write_text("x")
+    assert caught.value.errno == errno.EROFS
+    assert not (ganesha.directory / "nope.txt").exists()
+    moorage("unmount", str(nfs_mountpoint))
+    assert not mounts.is_mount_point(nfs_mountpoint)
+    wait_gone(nfs_mountpoint)
+    (ganesha.directory / "ro-visible.txt").unlink()
+
+
+def test_a_refused_nfs_mount_says_why(ganesha: Ganesha, nfs_mountpoint: Path) -> None:
+    spec = f"127.0.0.1:{ganesha.core.nfs_port}:/volumes/not-exported"
+    result = moorage(
+        "mount",
+        "nfs",
+        spec,
+        str(nfs_mountpoint),
+        "--mount-port",
+        str(ganesha.mount_port),
+        "--state-dir",
+        str(ganesha.base / "state"),
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "MNT3ERR_ACCES" in result.stderr
+    assert not mounts.is_mount_point(nfs_mountpoint)
