@@ -20,7 +20,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moorage.demo_node import node_demo
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer
 
@@ -148,6 +147,8 @@ def demo(
     logging.getLogger("moorage.ganesha").setLevel(logging.ERROR)
     try:
         trio.run(_nbd_demo, state_dir)
+        from moorage.demo_node import node_demo  # the storage node's imports, only here
+
         trio.run(node_demo, state_dir, console)
     except (RuntimeError, subprocess.SubprocessError) as e:
         console.print(f"[red]demo failed:[/red] {e}")

@@ -36,12 +36,13 @@ import pytest
 from typer.testing import CliRunner
 
 from csi import attach, mounts
-from moorage.cli import app
+from moorage.cli import full_app
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
 from tests.conftest import REPO, NBDServerFactory, run, sparse_image
 from tests.integration.test_fuse_nfs import Ganesha, running_ganesha
 
+app = full_app()
 MiB = 1 << 20
 TIMEOUT = 120
 
