@@ -12,6 +12,7 @@ from backend.daemon import DaemonConfig, run_daemon
 from backend.errors import BackendError
 from backend.poolinit import init_loop_pool, release_loop_pool
 from moorage.units import parse_size
+from nbd.server import tune_malloc
 
 app = typer.Typer(help="The storage node daemon and its pool.", no_args_is_help=True)
 pool_app = typer.Typer(help="Pool set-up.", no_args_is_help=True)
@@ -77,6 +78,7 @@ def serve(
         graceless=graceless,
         overcommit_ratio=overcommit,
     )
+    tune_malloc()
     try:
         trio.run(run_daemon, config)
     except BackendError as e:

@@ -18,6 +18,7 @@ from nbd.server import (
     open_unix_listener,
     stdio_stream,
     systemd_listen_fds,
+    tune_malloc,
 )
 from nbd.tls import server_context
 
@@ -109,6 +110,7 @@ def serve(
     tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
     server = NBDServer(table, ServerConfig(tls_context=tls, tls_required=tls_required))
     host, port = parse_listen(listen)
+    tune_malloc()
     try:
         trio.run(_run, server, host, port, unix, stdio)
     except OSError as e:

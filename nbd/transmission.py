@@ -32,6 +32,8 @@ HOLE_CHECK_MIN = 64 * 1024
 INLINE_MAX = 1024 * 1024
 # Most requests one connection may have in flight before we stop reading.
 MAX_IN_FLIGHT = 128
+# Most request data (read buffers, write payloads) one connection holds at once.
+MAX_BUFFERED = 4 * 1024 * 1024
 # Most extents in one BLOCK_STATUS reply.
 MAX_EXTENTS = 4096
 
@@ -66,6 +68,29 @@ def wire_errno(e: OSError) -> Errno:
     return _ERRNO_MAP.get(e.errno or 0, Errno.EIO)
 
 
+class ByteBudget:
+    """A weighted semaphore: bytes one connection may hold for requests in flight."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def take(self, n: int) -> int:
+        """Wait for ``n`` bytes (a request larger than the budget takes all of it)."""
+        n = min(n, self.total)
+        while self.used + n > self.total:
+            await self._freed.wait()
+        self.used += n
+        return n
+
+    def give(self, n: int) -> None:
+        if n:
+            self.used -= n
+            freed, self._freed = self._freed, trio.Event()
+            freed.set()
+
+
 class RequestError(Exception):
     def __init__(self, error: Errno, message: str) -> None:
         super().__init__(message)
@@ -91,6 +116,7 @@ class Transmission:
         self.replies = ReplyQueue(transport)
         self._buffers = BufferPool()
         self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+        self._budget = ByteBudget(MAX_BUFFERED)
         self._stopping = False
         self._awaiting_request = False
         self.requests = 0
@@ -165,28 +191,41 @@ class Transmission:
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
+            # Bound the request data one connection holds in memory at once.
+            cost = 0
+            if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:
+                cost = await self._budget.take(req.length)
+            handed_off = False
             payload: bytearray | None = None
-            if req.type == Command.WRITE:
-                if req.length > MAX_PAYLOAD:
+            try:
+                if req.type == Command.WRITE:
+                    if req.length > MAX_PAYLOAD:
+                        try:
+                            await self.t.discard(req.length)
+                        except PeerClosed:
+                            return
+                        await self._fail(req, Errno.EINVAL, "write payload exceeds maximum")
+                        continue
+                    payload = self._buffers.get(req.length)
                     try:
-                        await self.t.discard(req.length)
+                        await self.t.recv_into(memoryview(payload))
                     except PeerClosed:
+                        log.warning("%s: client went away in the middle of a write", self.label)
                         return
-                    await self._fail(req, Errno.EINVAL, "write payload exceeds maximum")
+                error = self._validate(req)
+                if error is not None:
+                    await self._fail(req, *error)
                     continue
-                try:
-                    payload = await self.t.recv_payload(req.length)
-                except PeerClosed:
-                    log.warning("%s: client went away in the middle of a write", self.label)
-                    return
-            error = self._validate(req)
-            if error is not None:
-                await self._fail(req, *error)
-                continue
-            if await self._try_inline(req, payload):
-                continue
-            await self._in_flight.acquire()
-            nursery.start_soon(self._handle, req, payload)
+                if await self._try_inline(req, payload):
+                    continue
+                await self._in_flight.acquire()
+                nursery.start_soon(self._handle, req, payload, cost)
+                handed_off = True
+            finally:
+                if not handed_off:
+                    self._budget.give(cost)
+                    if payload is not None:
+                        self._buffers.put(payload)
 
     def _validate(self, req: Request) -> tuple[Errno, str] | None:
         if self.shutting_down():
@@ -261,7 +300,7 @@ class Transmission:
 
     # ------------------------------------------------------ threaded path
 
-    async def _handle(self, req: Request, payload: bytearray | None) -> None:
+    async def _handle(self, req: Request, payload: bytearray | None, cost: int) -> None:
         try:
             await self._dispatch(req, payload)
         except RequestError as e:
@@ -271,6 +310,9 @@ class Transmission:
             await self._fail(req, wire_errno(e), e.strerror or str(e))
         finally:
             self._in_flight.release()
+            self._budget.give(cost)
+            if payload is not None:
+                self._buffers.put(payload)
 
     async def _dispatch(self, req: Request, payload: bytearray | None) -> None:
         image = self.image

@@ -149,7 +149,7 @@ class BufferPool:
     request; sequential readers ask for the same size over and over.
     """
 
-    def __init__(self, max_size: int = 1024 * 1024, keep: int = 64) -> None:
+    def __init__(self, max_size: int = 1024 * 1024, keep: int = 8) -> None:
         self.max_size = max_size
         self.keep = keep
         self._free: dict[int, list[bytearray]] = {}
@@ -177,7 +177,7 @@ class ReplyQueue:
     Queuing waits only while more than ``limit`` bytes are unsent.
     """
 
-    def __init__(self, transport: Transport, limit: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, transport: Transport, limit: int = 2 * 1024 * 1024) -> None:
         self.t = transport
         self.limit = limit
         self._parts: list[Buffer] = []
