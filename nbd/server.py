@@ -156,6 +156,9 @@ class NBDServer:
         self.connections_served += 1
         try:
             await self._serve_connection(transport, peer, label)
+        except Exception:
+            # A bug met by one connection ends that connection, not the server.
+            log.exception("%s: connection failed unexpectedly; closing it", label)
         finally:
             await transport.aclose()
             self._connections -= 1

@@ -56,10 +56,15 @@ apt-get install -y -qq --no-install-recommends "${missing[@]}"
 # The Debian package enables ganesha's own service; moorage runs ganesha
 # itself, with its own configuration, so the packaged one must not hold the
 # NFS ports.
-if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-    systemctl disable --now nfs-ganesha.service >/dev/null 2>&1 || true
+# Only when this run installed it: never touch a ganesha that was running
+# before (an operator's, or a test's).
+if [[ " ${missing[*]} " == *" nfs-ganesha "* ]]; then
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        systemctl disable --now nfs-ganesha.service >/dev/null 2>&1 || true
+    elif [ -x /etc/init.d/nfs-ganesha ]; then
+        /etc/init.d/nfs-ganesha stop >/dev/null 2>&1 || true
+    fi
 fi
-pkill -x ganesha.nfsd >/dev/null 2>&1 || true
 
 # The Debian package creates and starts a cluster on port 5432; nothing here
 # uses it (the tests run their own), so stop it and keep it from starting at

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from nbd import codec
+from nbd.codec import Request
 from nbd.constants import (
     BASE_ALLOCATION,
     IHAVEOPT,
@@ -36,6 +37,7 @@ from nbd.constants import (
 )
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer
+from nbd.transmission import Transmission
 from tests.nbdwire import (
     Chunk,
     WireClient,
@@ -702,4 +704,26 @@ async def test_many_requests_in_flight(image: Path, structured: bool) -> None:
             assert reply.read_data(offset, length) == content(image, offset, length)
         assert seen == set(expected)
         await client.disconnect()
+        await e.assert_healthy()
+
+
+async def test_a_bug_met_by_one_connection_closes_only_that_connection(
+    image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception inside one request ends its connection, not the server."""
+    original = Transmission._dispatch
+
+    async def buggy(self: Transmission, req: Request, payload: bytearray | None) -> None:
+        if req.type == Command.FLUSH:
+            raise RuntimeError("injected bug")
+        await original(self, req, payload)
+
+    monkeypatch.setattr(Transmission, "_dispatch", buggy)
+    async with env(image) as e:
+        victim = await e.client()
+        bystander = await e.client()
+        await victim.send(codec.encode_request(Command.FLUSH, 1, 0, 0))
+        assert await victim.expect_closed(5) == b""  # closed, without a reply
+        assert await bystander.read(0, 4096) == content(image, 0, 4096)
+        await bystander.disconnect()
         await e.assert_healthy()
