@@ -38,6 +38,10 @@ def reconcile(service: StorageService, files: GaneshaFiles) -> list[str]:
     pool = service.pool
     for path in pool.remove_partial_files():
         repairs.append(f"removed partial file {path}")
+    # A crash in the middle of a snapshot or clone leaves its source frozen:
+    # thaw first, or finishing it fails to freeze again and undoes it.
+    for vol_id in sorted(pool.list_mounts()):
+        pool.thaw_fs_volume(vol_id)
     repairs += _finish_operations(service)
     repairs += _reconcile_files(service)
     repairs += _reconcile_exports(service, files)
@@ -65,7 +69,7 @@ def _finish_operations(service: StorageService) -> list[str]:
                 case OperationKind.DELETE_SNAPSHOT:
                     service.finish_delete_snapshot(target)
                 case OperationKind.PUBLISH:
-                    _finish_publish(service, target, str(payload.get("node", "")))
+                    _finish_publish(service, op_id, target, str(payload.get("node", "")))
                 case OperationKind.UNPUBLISH:
                     service.finish_unpublish(target, str(payload.get("node", "")))
             repairs.append(f"finished {what}")
@@ -78,14 +82,20 @@ def _finish_operations(service: StorageService) -> list[str]:
     return repairs
 
 
-def _finish_publish(service: StorageService, vol_id: str, node: str) -> None:
+def _finish_publish(service: StorageService, op_id: int, vol_id: str, node: str) -> None:
     service.apply_exports(vol_id)
     with service.catalog.session() as s:
         pub = s.scalars(
             select(Publication).where(Publication.volume_id == vol_id, Publication.node_id == node)
         ).first()
-        if pub is not None and pub.state == PublicationState.PUBLISHING:
+        if pub is None:
+            return  # nothing to finish: the journal entry is closed as abandoned
+        if pub.state == PublicationState.PUBLISHING:
             pub.state = PublicationState.PUBLISHED
+        # finished, as publish_volume itself would have recorded it
+        op = s.get(Operation, op_id)
+        if op is not None and op.state.value == "pending":
+            finish_operation(op)
 
 
 def _reconcile_files(service: StorageService) -> list[str]:
@@ -109,9 +119,6 @@ def _reconcile_files(service: StorageService) -> list[str]:
             log.error("volume %s (%s) has no image: its data is lost", vol_id, state.value)
             repairs.append(f"volume {vol_id} has no image (not repairable)")
             continue
-        if pool.is_mounted(vol_id):
-            # A crash in the middle of a snapshot leaves the filesystem frozen.
-            pool.thaw_fs_volume(vol_id)
         live = state in (VolumeState.READY, VolumeState.EXPANDING)
         if vtype == VolumeType.NFS and live and not pool.is_mounted(vol_id):
             assert fs_type is not None
