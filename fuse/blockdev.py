@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from fuse.blockfile import DEFAULT_CONNECTIONS, DISK, FSTYPE, READY, REFRESH
+from fuse.blockfile import DEFAULT_CONNECTIONS, DISK, FSTYPE, REFRESH
 from fuse.loop import (
     LoopError,
     attach_loop,
@@ -51,6 +50,7 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
+from fuse.readiness import READY, read_line
 
 log = logging.getLogger("moorage.fuse.blockdev")
 
@@ -222,23 +222,6 @@ def _unmount(mountpoint: str | os.PathLike[str], timeout: float = 30.0) -> None:
         raise BlockAttachError(f"{argv} exited {result.returncode}: {result.stderr.strip()}")
 
 
-def _read_line(fd: int, timeout: float) -> bytes | None:
-    """One line from ``fd`` within ``timeout`` seconds (b'' at EOF, None on timeout)."""
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        end = time.monotonic() + timeout
-        while not line.endswith(b"\n"):
-            left = end - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return line
-            line += chunk
-    return line
-
-
 def _log_tail(path: Path, lines: int = 5) -> str:
     try:
         return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -274,7 +257,7 @@ def _start_blockfile(
         os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
         # one line: "ready" or "error: <reason>"; EOF means it died
-        answer = _read_line(pipe.fileno(), ready_timeout)
+        answer = read_line(pipe.fileno(), ready_timeout)
     if answer == READY:
         return proc
     proc.terminate()

@@ -72,6 +72,7 @@ from typing import Final, TypeVar, cast
 import pyfuse3
 import trio
 
+from fuse.readiness import ReadySignal, configure_logging
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -81,7 +82,6 @@ DISK: Final = "disk"
 REFRESH: Final = "refresh"
 DISK_INODE: Final = 2
 REFRESH_INODE: Final = 3
-READY: Final = b"ready\n"
 DEFAULT_CONNECTIONS: Final = 4
 ATTR_TIMEOUT: Final = 1.0
 RETRY_FIRST: Final = 0.05  # seconds before the first reconnect
@@ -673,24 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-direct-io", dest="direct_io", action="store_false")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    out = args.ready_fd if args.ready_fd is not None else sys.stdout.fileno()
-
-    def answer(line: bytes) -> None:
-        with contextlib.suppress(OSError):  # nobody waits for it any more
-            os.write(out, line)
-        if args.ready_fd is not None:
-            os.close(args.ready_fd)
-
-    answered = False
-
-    def ready() -> None:
-        nonlocal answered
-        answered = True
-        answer(READY)
+    configure_logging(args.debug)
+    signal_ = ReadySignal(args.ready_fd)
 
     try:
         if args.connections < 1:
@@ -703,12 +687,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             connections=args.connections,
             timeout=args.timeout,
             direct_io=args.direct_io,
-            ready=ready,
+            ready=signal_.ready,
         )
     except (OSError, ValueError, RuntimeError) as e:
         log.error("%s", e)
-        if not answered:
-            answer(f"error: {e}\n".encode(errors="replace"))
+        signal_.failed(e)
         return 1
     return 0
 

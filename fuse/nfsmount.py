@@ -33,17 +33,14 @@ Choices, and why:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import logging
 import os
 import re
-import selectors
 import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeVar, overload
@@ -52,6 +49,7 @@ import pyfuse3
 import trio
 
 from fuse.libnfs import NFSContext, NFSFile, NFSStat
+from fuse.readiness import READY, ReadySignal, configure_logging, read_line
 
 log = logging.getLogger("moorage.fuse.nfs")
 
@@ -59,7 +57,6 @@ FSTYPE: Final = "moorage-nfs"  # the FUSE subtype: /proc/mounts says fuse.moorag
 ROOT: Final = b"/"
 DEFAULT_CONTEXTS: Final = 4
 DEFAULT_CACHE_TIMEOUT: Final = 1.0
-READY: Final = b"ready\n"
 # open flags libnfs is told about: the kernel handles O_APPEND and O_TRUNC itself
 _OPEN_FLAGS: Final = os.O_ACCMODE | os.O_SYNC | os.O_DSYNC
 _DOTS: Final = (b".", b"..")
@@ -883,7 +880,7 @@ def _start_mount_process(
             os.close(log_fd)
     with os.fdopen(read_end, "rb") as pipe:
         # the child writes one line: "ready" or "error: <reason>"; EOF means it died
-        answer = _read_line(pipe.fileno(), ready_timeout)
+        answer = read_line(pipe.fileno(), ready_timeout)
     if answer == READY:
         return proc.pid
     if answer is None:
@@ -915,23 +912,6 @@ def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _read_line(fd: int, timeout: float) -> bytes | None:
-    """One line from ``fd`` within ``timeout`` seconds (b'' at EOF, None on timeout)."""
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        end = time.monotonic() + timeout
-        while not line.endswith(b"\n"):
-            left = end - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return line
-            line += chunk
-    return line
-
-
 def unmount(mountpoint: str | os.PathLike[str], *, lazy: bool = False, timeout: float = 30) -> None:
     """Unmount a FUSE mount with ``fusermount3 -u``; the mount process then exits."""
     argv = ["fusermount3", "-u", *(["-z"] if lazy else []), os.fspath(mountpoint)]
@@ -961,24 +941,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-allow-other", dest="allow_other", action="store_false")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    out = args.ready_fd if args.ready_fd is not None else sys.stdout.fileno()
-
-    def answer(line: bytes) -> None:
-        with contextlib.suppress(OSError):  # nobody waits for it any more
-            os.write(out, line)
-        if args.ready_fd is not None:
-            os.close(args.ready_fd)
-
-    answered = False
-
-    def ready() -> None:
-        nonlocal answered
-        answered = True
-        answer(READY)
+    configure_logging(args.debug)
+    signal_ = ReadySignal(args.ready_fd)
 
     try:
         export = NFSExport.parse(args.export, args.mount_port)
@@ -991,12 +955,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache_timeout=args.cache_timeout,
             timeout=args.timeout,
             allow_other=args.allow_other,
-            ready=ready,
+            ready=signal_.ready,
         )
     except (OSError, ValueError, RuntimeError) as e:
         log.error("%s", e)
-        if not answered:
-            answer(f"error: {e}\n".encode(errors="replace"))
+        signal_.failed(e)
         return 1
     return 0
 
