@@ -50,7 +50,7 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
-from fuse.readiness import READY, read_line
+from fuse.process import READY, read_line
 
 log = logging.getLogger("moorage.fuse.blockdev")
 

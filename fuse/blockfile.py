@@ -61,7 +61,6 @@ import functools
 import logging
 import os
 import re
-import signal
 import stat
 import sys
 import time
@@ -72,7 +71,7 @@ from typing import Final, TypeVar, cast
 import pyfuse3
 import trio
 
-from fuse.readiness import ReadySignal, configure_logging
+from fuse.process import EarlyStop, ReadySignal, configure_logging, run_fuse_loop
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -575,46 +574,16 @@ def mount_options(uri: str) -> set[str]:
     return {f"fsname={FSTYPE}:{shown}", f"subtype={FSTYPE}", "default_permissions"}
 
 
-class _StopRequest:
-    """SIGTERM/SIGINT seen before the FUSE loop watched for them itself."""
+async def _serve(filesystem: BlockFile, ready: Callable[[], None] | None, early: EarlyStop) -> None:
+    def warn_open_files() -> None:
+        if filesystem.open_files:
+            log.warning("%d open file(s) lose the disk", filesystem.open_files)
 
-    def __init__(self) -> None:
-        self.signal: str | None = None
-
-    def handle(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
-
-
-async def _serve(
-    filesystem: BlockFile, ready: Callable[[], None] | None, stop: _StopRequest
-) -> None:
-    async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            task_status.started()
-            async for signum in signals:
-                if not terminating.is_set():
-                    if filesystem.open_files:
-                        log.warning("%d open file(s) lose the disk", filesystem.open_files)
-                    log.info("%s: unmounting", signal.Signals(signum).name)
-                    terminating.set()
-                    pyfuse3.terminate()  # graceful: requests under way are answered
-                else:
-                    log.warning("%s again: abandoning requests under way", signum)
-                    nursery.cancel_scope.cancel()
-
-    terminating = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(stop_on_signal)
-        if stop.signal is not None:
-            log.info("%s before the FUSE loop started: unmounting", stop.signal)
-            nursery.cancel_scope.cancel()
-            return
-        if ready is not None:
-            ready()
-        await pyfuse3.main()
+    async def final_flush() -> None:
         with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
             await filesystem.sync()
-        nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
+
+    await run_fuse_loop(ready, early, on_terminate=warn_open_files, after_unmount=final_flush)
 
 
 def serve(
@@ -629,8 +598,8 @@ def serve(
     """Mount and serve in this process until unmounted or sent SIGTERM/SIGINT."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
-    stop = _StopRequest()
-    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = EarlyStop()
+    stop.install()
     set_io_flusher()
     export: ExportConnections | None = None
     try:
@@ -653,8 +622,7 @@ def serve(
     finally:
         if export is not None:
             export.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
 
 
 # ------------------------------------------------------------------ command line

@@ -37,7 +37,6 @@ import errno
 import logging
 import os
 import re
-import signal
 import stat
 import subprocess
 import sys
@@ -49,7 +48,7 @@ import pyfuse3
 import trio
 
 from fuse.libnfs import NFSContext, NFSFile, NFSStat
-from fuse.readiness import READY, ReadySignal, configure_logging, read_line
+from fuse.process import READY, EarlyStop, ReadySignal, configure_logging, read_line, run_fuse_loop
 
 log = logging.getLogger("moorage.fuse.nfs")
 
@@ -677,42 +676,6 @@ def mount_options(export: NFSExport, *, allow_other: bool = True) -> set[str]:
     return options
 
 
-class _StopRequest:
-    """SIGTERM/SIGINT seen before the FUSE loop watched for them itself."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-
-    def handle(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
-
-
-async def _serve(ready: Callable[[], None] | None, stop: _StopRequest) -> None:
-    async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            task_status.started()
-            async for signum in signals:
-                if not terminating.is_set():
-                    log.info("%s: unmounting", signal.Signals(signum).name)
-                    terminating.set()
-                    pyfuse3.terminate()  # graceful: requests under way are answered
-                else:
-                    log.warning("%s again: abandoning requests under way", signum)
-                    nursery.cancel_scope.cancel()
-
-    terminating = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(stop_on_signal)
-        if stop.signal is not None:
-            log.info("%s before the FUSE loop started: unmounting", stop.signal)
-            nursery.cancel_scope.cancel()
-            return
-        if ready is not None:
-            ready()
-        await pyfuse3.main()
-        nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
-
-
 def serve(
     export: NFSExport,
     mountpoint: str | os.PathLike[str],
@@ -731,8 +694,8 @@ def serve(
     """
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
-    stop = _StopRequest()
-    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = EarlyStop()
+    stop.install()
     pool: ContextPool | None = None
     try:
         pool = ContextPool.mount(export, contexts, timeout)
@@ -743,14 +706,13 @@ def serve(
         options = mount_options(export, allow_other=allow_other)
         pyfuse3.init(filesystem, os.fspath(mountpoint), options)
         try:
-            trio.run(_serve, ready, stop)
+            trio.run(run_fuse_loop, ready, stop)
         finally:
             pyfuse3.close(unmount=True)
     finally:
         if pool is not None:
             pool.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
 
 
 @overload

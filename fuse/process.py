@@ -1,0 +1,140 @@
+"""The life of a FUSE mount process, shared by the block file and the NFS mount.
+
+Readiness: the process writes one line, ``ready`` or ``error: <reason>``, to
+a pipe (or stdout) once its mount is in place or has failed; the starter
+reads that line with a deadline (EOF without a line: the process died).
+Signals: SIGTERM/SIGINT unmount gracefully, a second one abandons requests
+under way; one that arrives before the FUSE loop runs is remembered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import pyfuse3
+import trio
+
+READY: Final = b"ready\n"
+
+log = logging.getLogger("moorage.fuse")
+
+
+class ReadySignal:
+    """The mount process's side: answer once, then close the channel."""
+
+    def __init__(self, ready_fd: int | None) -> None:
+        self._fd = ready_fd
+        self._out = ready_fd if ready_fd is not None else sys.stdout.fileno()
+        self.answered = False
+
+    def _answer(self, line: bytes) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        with contextlib.suppress(OSError):  # nobody waits for it any more
+            os.write(self._out, line)
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def ready(self) -> None:
+        self._answer(READY)
+
+    def failed(self, reason: object) -> None:
+        self._answer(f"error: {reason}\n".encode(errors="replace"))
+
+
+def configure_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def read_line(fd: int, timeout: float) -> bytes | None:
+    """The starter's side: one line from ``fd`` within ``timeout`` seconds.
+
+    Returns b'' (or a partial line) at EOF and None on timeout.
+    """
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        end = time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            left = end - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return line
+            line += chunk
+    return line
+
+
+class EarlyStop:
+    """SIGTERM/SIGINT seen before the FUSE loop watched for them itself.
+
+    Install with :meth:`install` while setting up; ``signal`` is then the name
+    of the first such signal, or None.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self.handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+async def run_fuse_loop(
+    ready: Callable[[], None] | None,
+    early: EarlyStop,
+    *,
+    on_terminate: Callable[[], None] | None = None,
+    after_unmount: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """``pyfuse3.main()`` until the mount goes away, watching for stop signals."""
+    terminating = trio.Event()
+
+    async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if not terminating.is_set():
+                    if on_terminate is not None:
+                        on_terminate()
+                    log.info("%s: unmounting", signal.Signals(signum).name)
+                    terminating.set()
+                    pyfuse3.terminate()  # graceful: requests under way are answered
+                else:
+                    log.warning("%s again: abandoning requests under way", signum)
+                    nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stop_on_signal)
+        if early.signal is not None:
+            log.info("%s before the FUSE loop started: unmounting", early.signal)
+            nursery.cancel_scope.cancel()
+            return
+        if ready is not None:
+            ready()
+        await pyfuse3.main()
+        if after_unmount is not None:
+            await after_unmount()
+        nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
