@@ -452,6 +452,14 @@ class StorageService:
             if size < src.size_bytes:
                 raise InvalidArgument(f"size is smaller than the source volume ({src.size_bytes})")
 
+    def _close_journal(
+        self, s: Session, target: str, *kinds: OperationKind, error: str | None = None
+    ) -> None:
+        """Mark the pending journal entry of ``target`` done (or failed with ``error``)."""
+        op = self._pending_op(s, target, *kinds)
+        if op is not None:
+            finish_operation(op, error=error)
+
     def _pending_op(self, s: Session, target: str, *kinds: OperationKind) -> Operation | None:
         return s.scalars(
             select(Operation)
@@ -486,11 +494,9 @@ class StorageService:
             log.error("creating volume %s failed: %s; removing what was made", vol_id, e)
             self.pool.delete_volume(vol_id)
             with self.catalog.session() as s:
-                op = self._pending_op(
-                    s, vol_id, OperationKind.CREATE_VOLUME, OperationKind.CLONE_VOLUME
+                self._close_journal(
+                    s, vol_id, OperationKind.CREATE_VOLUME, OperationKind.CLONE_VOLUME, error=str(e)
                 )
-                if op is not None:
-                    finish_operation(op, error=str(e))
                 v = s.get(Volume, vol_id)
                 if v is not None:
                     s.delete(v)
@@ -500,11 +506,7 @@ class StorageService:
             v = s.get(Volume, vol_id)
             if v is not None:
                 v.state = VolumeState.READY
-            op = self._pending_op(
-                s, vol_id, OperationKind.CREATE_VOLUME, OperationKind.CLONE_VOLUME
-            )
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, vol_id, OperationKind.CREATE_VOLUME, OperationKind.CLONE_VOLUME)
         log.info("volume %s ready", vol_id)
 
     def delete_volume(self, volume_id: str) -> None:
@@ -531,9 +533,7 @@ class StorageService:
             v = s.get(Volume, vol_id)
             if v is not None:
                 s.delete(v)
-            op = self._pending_op(s, vol_id, OperationKind.DELETE_VOLUME)
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, vol_id, OperationKind.DELETE_VOLUME)
         log.info("volume %s deleted", vol_id)
 
     def expand_volume(self, volume_id: str, size: int) -> VolumeInfo:
@@ -586,9 +586,7 @@ class StorageService:
             if v is not None:
                 v.size_bytes = max(v.size_bytes, new_size)
                 v.state = VolumeState.READY
-            op = self._pending_op(s, vol_id, OperationKind.EXPAND_VOLUME)
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, vol_id, OperationKind.EXPAND_VOLUME)
         log.info("volume %s expanded to %d bytes", vol_id, new_size)
 
     # ---------------------------------------------------------- snapshots
@@ -651,18 +649,14 @@ class StorageService:
                 snap = s.get(Snapshot, snap_id)
                 if snap is not None:
                     s.delete(snap)
-                op = self._pending_op(s, snap_id, OperationKind.CREATE_SNAPSHOT)
-                if op is not None:
-                    finish_operation(op, error=str(e))
+                self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT, error=str(e))
             raise
         failpoint("snapshot.files")
         with self.catalog.session() as s:
             snap = s.get(Snapshot, snap_id)
             if snap is not None:
                 snap.state = SnapshotState.READY
-            op = self._pending_op(s, snap_id, OperationKind.CREATE_SNAPSHOT)
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT)
         log.info("snapshot %s of volume %s ready", snap_id, src)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
@@ -685,9 +679,7 @@ class StorageService:
             snap = s.get(Snapshot, snap_id)
             if snap is not None:
                 s.delete(snap)
-            op = self._pending_op(s, snap_id, OperationKind.DELETE_SNAPSHOT)
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, snap_id, OperationKind.DELETE_SNAPSHOT)
 
     # ------------------------------------------------------- publications
 
@@ -739,9 +731,7 @@ class StorageService:
                 pub = get_publication(s, vol_id, node)
                 assert pub is not None
                 pub.state = PublicationState.PUBLISHED
-                op = self._pending_op(s, vol_id, OperationKind.PUBLISH)
-                if op is not None:
-                    finish_operation(op)
+                self._close_journal(s, vol_id, OperationKind.PUBLISH)
                 v = s.get(Volume, vol_id)
                 assert v is not None
                 return self._target(v, node)
@@ -782,9 +772,7 @@ class StorageService:
             pub = get_publication(s, vol_id, node)
             if pub is not None:
                 s.delete(pub)
-            op = self._pending_op(s, vol_id, OperationKind.UNPUBLISH)
-            if op is not None:
-                finish_operation(op)
+            self._close_journal(s, vol_id, OperationKind.UNPUBLISH)
         log.info("volume %s unpublished from %s", vol_id, node)
 
     # ------------------------------------------------------------ exports
