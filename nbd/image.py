@@ -26,6 +26,10 @@ _fallocate.restype = ctypes.c_int
 _ZERO_CHUNK = bytes(1 << 20)
 # An inline write slower than this pauses inline writes for the backoff.
 SLOW_INLINE_WRITE = 0.002
+# The same for a write made by a connection's reply thread.  Its time also
+# holds the wait for the GIL after the system call, up to Python's switch
+# interval (5 ms), so only a longer one means the kernel made it wait.
+SLOW_THREAD_WRITE = 0.010
 INLINE_WRITE_BACKOFF = 1.0
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
@@ -117,15 +121,33 @@ class Image:
                 return True
             if self._nowait_writes or n:
                 return False  # would block (or wrote part): a thread finishes it
-        now = time.monotonic()
-        if now < self._blocking_writes_after:
+        if not self.may_write_inline():
             return False
-        done = 0
-        while done < len(data):
-            done += os.pwritev(self.fd, [data[done:]], offset + done)
-        if time.monotonic() - now > SLOW_INLINE_WRITE:
-            self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
+        self.writev_timed([data], offset, SLOW_INLINE_WRITE)
         return True
+
+    def may_write_inline(self) -> bool:
+        """False for a while after a write into the page cache was slow."""
+        return time.monotonic() >= self._blocking_writes_after
+
+    def writev_timed(self, views: list[memoryview], offset: int, slow: float | None = None) -> None:
+        """Adjacent buffers in one system call, timed: a slow write pauses inline writes.
+
+        The default threshold is for a connection's reply thread, whose time
+        also holds the wait for the GIL (``SLOW_THREAD_WRITE``).
+        """
+        now = time.monotonic()
+        views = list(views)
+        while views:
+            done = os.pwritev(self.fd, views, offset)
+            offset += done
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if done:
+                views[0] = views[0][done:]
+        if time.monotonic() - now > (SLOW_THREAD_WRITE if slow is None else slow):
+            self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
 
     def write(self, data: memoryview, offset: int, fua: bool = False) -> None:
         done = 0

@@ -215,7 +215,12 @@ class NBDServer:
         finally:
             self._transmitting.discard(tx)
             self.exports.close_connection(export, conn_scope)
-            log.info("%s: connection closed after %d requests", label, tx.requests)
+            log.info(
+                "%s: connection closed after %d requests (%d in worker threads)",
+                label,
+                tx.requests,
+                tx.threaded,
+            )
 
 
 # ---------------------------------------------------------------- process

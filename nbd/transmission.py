@@ -3,13 +3,16 @@
 One reader task parses requests.  A request that the page cache can answer
 without blocking (RWF_NOWAIT) is answered inline; anything that may block
 (a cold read, FUA, FLUSH, TRIM, ...) runs in a worker thread from a task of
-its own, so replies go out in whatever order they finish.  All replies go
-through one lock: a single writer on the socket.
+its own, so replies go out in whatever order they finish.  On a plain
+socket, large replies and large plain writes go to the connection's reply
+thread (``nbd.sender``), so copying their bytes overlaps with parsing the
+next request.  Either way there is a single writer on the socket.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,6 +23,7 @@ from nbd import codec
 from nbd.codec import ProtocolError, Request
 from nbd.constants import MAX_PAYLOAD, Command, CommandFlag, Errno
 from nbd.handshake import BASE_ALLOCATION_ID, Session
+from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
 from nbd.transport import Buffer, BufferPool, PeerClosed, ReplyQueue, Transport
 
 log = logging.getLogger("moorage.nbd")
@@ -34,6 +38,9 @@ INLINE_MAX = 1024 * 1024
 MAX_IN_FLIGHT = 128
 # Most request data (read buffers, write payloads) one connection holds at once.
 MAX_BUFFERED = 4 * 1024 * 1024
+# The reader yields to other tasks at least once per this many requests (its
+# socket reads do not pass through trio's scheduler when data is waiting).
+YIELD_EVERY = 8
 # Most extents in one BLOCK_STATUS reply.
 MAX_EXTENTS = 4096
 
@@ -113,13 +120,19 @@ class Transmission:
         self.label = label
         self.shutting_down = shutting_down
         self.reader_scope = trio.CancelScope()
-        self.replies = ReplyQueue(transport)
+        sock = transport.socket
+        # A plain socket gets a reply thread; TLS and stdio streams are
+        # written through trio (their writes need the event loop).
+        self.replies: ReplyQueue | ThreadedReplies = (
+            ThreadedReplies(sock) if sock is not None else ReplyQueue(transport)
+        )
         self._buffers = BufferPool()
         self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
         self._budget = ByteBudget(MAX_BUFFERED)
         self._stopping = False
         self._awaiting_request = False
         self.requests = 0
+        self.threaded = 0
 
     def stop_reading(self) -> None:
         """Read no more requests; those already read still get their replies.
@@ -188,6 +201,8 @@ class Transmission:
                 log.warning("%s: %s; closing connection", self.label, e)
                 return
             self.requests += 1
+            if not self.requests % YIELD_EVERY:
+                await trio.lowlevel.checkpoint()
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
@@ -216,9 +231,13 @@ class Transmission:
                 if error is not None:
                     await self._fail(req, *error)
                     continue
+                if payload is not None and await self._try_write_in_sender(req, payload):
+                    payload = None  # the reply thread puts it back in the pool
+                    continue
                 if await self._try_inline(req, payload):
                     continue
                 await self._in_flight.acquire()
+                self.threaded += 1
                 nursery.start_soon(self._handle, req, payload, cost)
                 handed_off = True
             finally:
@@ -263,6 +282,38 @@ class Transmission:
         return None
 
     # ------------------------------------------------------ inline fast path
+
+    async def _try_write_in_sender(self, req: Request, payload: bytearray) -> bool:
+        """Leave a plain write to the reply thread, which writes, then answers.
+
+        Only while writes into the page cache are quick (a slow one sends the
+        writes of the next second to worker threads instead), so a reply
+        queued behind a write does not wait for a disk.
+        """
+        replies = self.replies
+        if (
+            not isinstance(replies, ThreadedReplies)
+            or req.type != Command.WRITE
+            or len(payload) <= DIRECT_MAX  # cheaper inline than handed over
+            or req.flags
+            or not self.image.may_write_inline()
+        ):
+            return False
+        label, pool = self.label, self._buffers
+
+        def fail(e: OSError) -> bytes:
+            log.warning("%s: I/O error on %s: %s", label, req, e)
+            return codec.encode_simple_reply(req.cookie, wire_errno(e))
+
+        job = WriteJob(
+            self.image.writev_timed,
+            req.offset,
+            memoryview(payload),
+            codec.encode_simple_reply(req.cookie),
+            fail,
+        )
+        await replies.put_write(job, functools.partial(pool.put, payload))
+        return True
 
     async def _try_inline(self, req: Request, payload: bytearray | None) -> bool:
         """Answer without blocking if the page cache allows; False if a thread is needed.

@@ -8,13 +8,17 @@ TLS and stdio streams go through the generic stream interface.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 
 import trio
 
 Buffer = bytes | bytearray | memoryview
 
-_RECV_CHUNK = 256 * 1024
+# Input is read in chunks of this size for headers (many small requests per
+# system call); a write payload beyond what such a read brought in goes
+# straight into its own buffer, so a small chunk means little copying.
+_RECV_CHUNK = 16 * 1024
 # Buffers in one sendmsg call (the kernel's IOV_MAX is 1024).
 _IOV_MAX = 512
 
@@ -35,7 +39,31 @@ class Transport:
         """Switch to a new stream (after STARTTLS); buffered input is dropped."""
         self.stream = stream
         self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._fd = self._sock.fileno() if self._sock is not None else -1
         self._start = self._end = 0
+
+    async def _recv_raw(self, view: memoryview) -> int:
+        """``recv`` on the plain socket; waits through trio only when nothing is there.
+
+        trio's own socket methods pass through its scheduler on every call;
+        this does not, which halves the event loop's work per request on a
+        busy connection.  The caller yields now and then (``Transmission``).
+        """
+        while True:
+            try:
+                return os.readv(self._fd, [view])
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(self._fd)
+                except trio.ClosedResourceError as e:
+                    raise PeerClosed(str(e)) from e
+            except OSError as e:
+                raise PeerClosed(str(e)) from e
+
+    @property
+    def socket(self) -> trio.socket.SocketType | None:
+        """The plain socket underneath, if there is one (not TLS, not stdio)."""
+        return self._sock
 
     @property
     def buffered(self) -> int:
@@ -52,7 +80,7 @@ class Transport:
             self._start, self._end = 0, n
         try:
             if self._sock is not None:
-                got = await self._sock.recv_into(self._rview[self._end :])
+                got = await self._recv_raw(self._rview[self._end :])
             else:
                 data = await self.stream.receive_some(len(self._rbuf) - self._end)
                 got = len(data)
@@ -94,10 +122,7 @@ class Transport:
         got = take
         while got < n:
             if self._sock is not None:
-                try:
-                    k = await self._sock.recv_into(view[got:])
-                except OSError as e:
-                    raise PeerClosed(str(e)) from e
+                k = await self._recv_raw(view[got:])
                 if k == 0:
                     raise PeerClosed("end of stream in payload")
                 got += k
@@ -143,21 +168,30 @@ class Transport:
 
 
 class BufferPool:
-    """Read buffers reused once their reply is sent.
+    """Read buffers and write payloads, reused once done with.
 
     A fresh ``bytearray`` of a few hundred KiB costs page faults on every
-    request; sequential readers ask for the same size over and over.
+    request; sequential readers and writers ask for the same size over and
+    over.  Each size keeps up to ``keep`` buffers and ``keep_bytes`` bytes:
+    enough for the requests one connection has in flight.
     """
 
-    def __init__(self, max_size: int = 1024 * 1024, keep: int = 8) -> None:
+    def __init__(
+        self, max_size: int = 1024 * 1024, keep: int = 16, keep_bytes: int = 4 * 1024 * 1024
+    ) -> None:
         self.max_size = max_size
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._free: dict[int, list[bytearray]] = {}
 
     def get(self, size: int) -> bytearray:
+        # Safe to share with the reply thread: list.pop and append are atomic.
         free = self._free.get(size)
         if free:
-            return free.pop()
+            try:
+                return free.pop()
+            except IndexError:  # another thread took the last one
+                pass
         return bytearray(size)
 
     def put(self, buf: bytearray) -> None:
@@ -165,7 +199,7 @@ class BufferPool:
         if size > self.max_size:
             return
         free = self._free.setdefault(size, [])
-        if len(free) < self.keep:
+        if len(free) < self.keep and (len(free) + 1) * size <= self.keep_bytes:
             free.append(buf)
 
 
