@@ -1,7 +1,9 @@
 """ctypes bindings to libnbd (``libnbd.so.0``, written against the 1.14 ABI): a typed NBD client.
 
-Only the synchronous API is bound: every call blocks the calling thread (ctypes drops the
+The synchronous API is bound here: every call blocks the calling thread (ctypes drops the
 GIL meanwhile) and a handle may be shared between threads, libnbd serialising its users.
+The asynchronous calls are declared here too and used by :mod:`nbd.aio`, which drives
+them from trio.
 For parallel I/O open several handles; :class:`ConnectionPool` does that when the server
 advertises multi-conn.
 
@@ -163,6 +165,16 @@ class _ExtentCallback(ctypes.Structure):
     _fields_ = [("callback", _ExtentFn), ("user_data", ctypes.c_void_p), ("free", _FreeFn)]
 
 
+# int (*callback)(void *user_data, int *error)
+_CompletionFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+
+
+class _CompletionCallback(ctypes.Structure):
+    """``nbd_completion_callback``, passed to libnbd by value."""
+
+    _fields_ = [("callback", _CompletionFn), ("user_data", ctypes.c_void_p), ("free", _FreeFn)]
+
+
 def _last_error() -> NBDError:
     lib = _loaded
     assert lib is not None
@@ -235,6 +247,26 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any], _Check]] = {
     "nbd_cache": (_INT, _RANGE, _check_int),
     "nbd_block_status": (_INT, [_H, _U64, _U64, _ExtentCallback, _U32], _check_int),
     "nbd_shutdown": (_INT, [_H, _U32], _check_int),
+    # The asynchronous API, for nbd.aio.
+    "nbd_aio_get_fd": (_INT, [_H], _check_int),
+    "nbd_aio_get_direction": (ctypes.c_uint, [_H], None),
+    "nbd_aio_notify_read": (_INT, [_H], _check_int),
+    "nbd_aio_notify_write": (_INT, [_H], _check_int),
+    "nbd_aio_pread": (
+        ctypes.c_int64,
+        [_H, ctypes.c_void_p, ctypes.c_size_t, _U64, _CompletionCallback, _U32],
+        _check_int,
+    ),
+    "nbd_aio_pwrite": (
+        ctypes.c_int64,
+        [_H, ctypes.c_void_p, ctypes.c_size_t, _U64, _CompletionCallback, _U32],
+        _check_int,
+    ),
+    "nbd_aio_flush": (ctypes.c_int64, [_H, _CompletionCallback, _U32], _check_int),
+    "nbd_aio_zero": (ctypes.c_int64, [_H, _U64, _U64, _CompletionCallback, _U32], _check_int),
+    "nbd_aio_in_flight": (_INT, [_H], _check_int),
+    "nbd_aio_is_dead": (_INT, [_H], None),
+    "nbd_aio_is_closed": (_INT, [_H], None),
 }
 
 _load_lock = threading.Lock()
@@ -330,6 +362,11 @@ class NBDClient:
             client.close()
             raise
         return client
+
+    @property
+    def handle(self) -> int:
+        """The ``struct nbd_handle *`` (for :mod:`nbd.aio`); EBADF once closed."""
+        return self._handle()
 
     def _handle(self) -> int:
         if self._h is None:
