@@ -17,9 +17,12 @@ Choices, and why:
   asks for a flush (fsync, a loop device's ``REQ_PREFLUSH``) after the
   writes it covers have completed, so one FLUSH suffices.  Without
   multi-conn a flush goes to every connection (normally there is one).
-- **Worker threads.** Every NBD call runs in a worker thread that holds
-  one connection (``trio.to_thread`` with a limiter the size of the pool),
-  so the FUSE loop never blocks and at most one request is on a connection.
+- **No threads per request.** Requests go out through libnbd's
+  asynchronous API, driven by the FUSE process's trio loop
+  (:mod:`nbd.aio`): many requests are in flight on each connection and
+  each goes to the least busy one.  A worker thread was a hand-off each
+  way per request, which cost more CPU than the request itself; only
+  connecting (rare) still runs in a thread.
 - **Hard mount.** A connection error (the server died, restarted, or shut
   down) drops that connection; the request waits with exponential backoff
   and is sent again on a new connection, so a server restart reaches the
@@ -57,21 +60,27 @@ import argparse
 import contextlib
 import ctypes
 import errno
-import functools
 import logging
 import os
 import re
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Final, TypeVar, cast
 
 import pyfuse3
 import trio
 
-from fuse.process import EarlyStop, ReadySignal, configure_logging, run_fuse_loop
+from fuse.process import (
+    EarlyStop,
+    ReadySignal,
+    configure_logging,
+    raise_background_limit,
+    run_fuse_loop,
+)
+from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -82,6 +91,9 @@ REFRESH: Final = "refresh"
 DISK_INODE: Final = 2
 REFRESH_INODE: Final = 3
 DEFAULT_CONNECTIONS: Final = 4
+# Asynchronous FUSE requests the kernel keeps in flight (its default: 12).  A
+# loop device with direct I/O queues many; each waits for a round trip.
+BACKGROUND_LIMIT: Final = 32
 ATTR_TIMEOUT: Final = 1.0
 RETRY_FIRST: Final = 0.05  # seconds before the first reconnect
 RETRY_MAX: Final = 2.0
@@ -114,10 +126,10 @@ class _Disconnected(Exception):
 
 @dataclass
 class _Slot:
-    client: NBDClient | None
+    conn: AioConnection | None
     size: int | None = None  # the export size this connection was told
     multi_conn: bool = True
-    busy: bool = False  # a worker thread holds it
+    connecting: trio.Lock = field(default_factory=trio.Lock)
 
 
 def connect(uri: str) -> NBDClient:
@@ -126,7 +138,9 @@ def connect(uri: str) -> NBDClient:
 
 
 class ExportConnections:
-    """Connections to one export that come back when the server does."""
+    """Connections to one export, many requests in flight on each, that come back
+    when the server does.  Used from the trio thread of one run (``close`` may also
+    be called after the run)."""
 
     def __init__(
         self,
@@ -147,12 +161,7 @@ class ExportConnections:
         self.can_flush = first.can_flush()
         self.can_zero = first.can_zero()
         self._connect = connect
-        self._slots = [_Slot(c, c.get_size(), c.can_multi_conn()) for c in clients]
-        self._send, self._idle = trio.open_memory_channel[_Slot](len(self._slots))
-        for slot in self._slots:
-            self._send.send_nowait(slot)
-        self._threads = trio.CapacityLimiter(len(self._slots))
-        self._exclusive = trio.Lock()
+        self._slots = [_Slot(AioConnection(c), c.get_size(), c.can_multi_conn()) for c in clients]
         self._away = False
 
     @classmethod
@@ -182,47 +191,52 @@ class ExportConnections:
     def __len__(self) -> int:
         return len(self._slots)
 
-    # -------------------------------------------------------------- one attempt
+    # -------------------------------------------------------------- connections
 
-    def _attempt(self, slot: _Slot, fn: Callable[[NBDClient], T]) -> T:
-        """In a worker thread: ``fn`` on the slot's connection, made first if need be."""
-        try:
-            client = slot.client
-            if client is None:
-                try:
-                    client = self._connect(self.uri)
-                    slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-                except NBDError as e:
-                    raise _Disconnected(str(e)) from e
-                slot.client = client
+    async def _connected(self, slot: _Slot) -> AioConnection:
+        """The slot's connection, made again first if it was lost."""
+        conn = slot.conn
+        if conn is not None and conn.alive:
+            return conn
+        async with slot.connecting:
+            conn = slot.conn
+            if conn is not None and conn.alive:
+                return conn
+            if conn is not None:
+                conn.close()
+                slot.conn = None
             try:
-                return fn(client)
+                client = await trio.to_thread.run_sync(self._connect, self.uri)
             except NBDError as e:
-                if client.is_connected() and e.errno not in _GONE:
-                    raise  # the server's answer to this request
-                slot.client = None
-                client.close()
                 raise _Disconnected(str(e)) from e
-        finally:
-            slot.busy = False
+            slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
+            slot.conn = AioConnection(client)
+            self._note(slot)
+            return slot.conn
 
-    def _drop(self, slot: _Slot) -> None:
-        client, slot.client = slot.client, None
-        if client is not None:
-            client.disconnect()
+    def _least_busy(self) -> _Slot:
+        def load(slot: _Slot) -> int:
+            conn = slot.conn
+            return conn.in_flight if conn is not None and conn.alive else 1 << 30
 
-    async def _run_on(self, slot: _Slot, fn: Callable[[NBDClient], T]) -> T:
-        """``fn`` on this slot, reconnecting with backoff until it is answered."""
+        return min(self._slots, key=load)
+
+    async def _run_on(self, slot: _Slot | None, fn: Callable[[AioConnection], Awaitable[T]]) -> T:
+        """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
+        is answered."""
         first_failure: float | None = None
         delay = RETRY_FIRST
         while True:
-            slot.busy = True
+            target = slot if slot is not None else self._least_busy()
             try:
-                # Abandoned on cancellation (shutdown): the thread may still use
-                # the connection, so the slot stays busy and is never lent again.
-                result = await trio.to_thread.run_sync(
-                    self._attempt, slot, fn, abandon_on_cancel=True, limiter=self._threads
-                )
+                conn = await self._connected(target)
+                try:
+                    result = await fn(conn)
+                except NBDError as e:
+                    if conn.alive and e.errno not in _GONE:
+                        raise  # the server's answer to this request
+                    conn.close()
+                    raise _Disconnected(str(e)) from e
             except _Disconnected as e:
                 now = trio.current_time()
                 if first_failure is None:
@@ -242,7 +256,6 @@ class ExportConnections:
             if self._away:
                 self._away = False
                 log.warning("%s: connected again", self.uri)
-            self._note(slot)
             return result
 
     def _note(self, slot: _Slot) -> None:
@@ -256,58 +269,58 @@ class ExportConnections:
 
     # -------------------------------------------------------------- requests
 
-    async def run(self, fn: Callable[[NBDClient], T]) -> T:
-        """``fn(client)`` on an idle connection in a worker thread, retried across reconnects."""
-        slot = await self._idle.receive()
-        try:
-            return await self._run_on(slot, fn)
-        finally:
-            if not slot.busy:
-                self._send.send_nowait(slot)
+    async def pread_into(self, buffer: bytearray, offset: int) -> None:
+        await self._run_on(None, lambda c: c.pread_into(buffer, offset))
 
-    @contextlib.asynccontextmanager
-    async def _every_slot(self) -> AsyncIterator[list[_Slot]]:
-        """All connections, once the requests on them are answered."""
-        async with self._exclusive:
-            slots = [await self._idle.receive() for _ in self._slots]
-            try:
-                yield slots
-            finally:
-                for slot in slots:
-                    if not slot.busy:
-                        self._send.send_nowait(slot)
+    async def pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        await self._run_on(None, lambda c: c.pwrite(data, offset))
+
+    async def zero(self, count: int, offset: int, flags: CmdFlag | int) -> None:
+        await self._run_on(None, lambda c: c.zero(count, offset, flags))
 
     async def flush(self) -> None:
         """NBD FLUSH: every write completed so far is on stable storage when this returns."""
         if not self.can_flush:
             return  # the server has no write cache to flush
         if self.multi_conn:
-            await self.run(lambda c: c.flush())
+            await self._run_on(None, lambda c: c.flush())
             return
-        async with self._every_slot() as slots:
-            for slot in slots:
-                await self._run_on(slot, lambda c: c.flush())
+        for slot in self._slots:
+            await self._run_on(slot, lambda c: c.flush())
 
     async def refresh(self) -> int:
-        """Reconnect every connection (servers read the size at connect); the new size."""
-        async with self._every_slot() as slots:
-            for slot in slots:
-                await trio.to_thread.run_sync(self._drop, slot, limiter=self._threads)
-                await self._run_on(slot, lambda c: None)
+        """Reconnect every connection (servers read the size at connect); the new size.
+
+        Requests go on meanwhile: each connection is replaced by a new one,
+        and the old one closed once its requests are answered.
+        """
+        for slot in self._slots:
+            async with slot.connecting:
+                old = slot.conn
+                try:
+                    client = await trio.to_thread.run_sync(self._connect, self.uri)
+                except NBDError as e:
+                    log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
+                    continue
+                slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
+                slot.conn = AioConnection(client)
+                self._note(slot)
+            if old is not None:
+                await old.drain()
+                old.close()
+        if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
+            await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
         return self.size
 
     def close(self) -> None:
-        """Disconnect every connection not still held by an abandoned thread (blocking)."""
+        """Disconnect every connection (requests still in flight fail)."""
         for slot in self._slots:
-            if not slot.busy:
-                self._drop(slot)
+            conn, slot.conn = slot.conn, None
+            if conn is not None:
+                conn.close()
 
 
 # ------------------------------------------------------------------ the filesystem
-
-
-def _zero(client: NBDClient, *, count: int, offset: int, flags: int) -> None:
-    client.zero(count, offset, flags)
 
 
 class BlockFile(pyfuse3.Operations):
@@ -333,9 +346,9 @@ class BlockFile(pyfuse3.Operations):
 
     # -------------------------------------------------------------- plumbing
 
-    async def _call(self, fn: Callable[[NBDClient], T]) -> T:
+    async def _call(self, request: Awaitable[T]) -> T:
         try:
-            return await self.export.run(fn)
+            return await request
         except ExportUnavailable as e:
             log.error("%s", e)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -462,7 +475,7 @@ class BlockFile(pyfuse3.Operations):
         if count == 0:
             return b""
         buffer = bytearray(count)
-        await self._call(lambda c: c.pread_into(buffer, off))
+        await self._call(self.export.pread_into(buffer, off))
         return cast(bytes, buffer)  # pyfuse3 replies from any buffer: no copy
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -474,7 +487,7 @@ class BlockFile(pyfuse3.Operations):
         if off >= size and buf:
             raise pyfuse3.FUSEError(errno.ENOSPC)
         data = buf if off + len(buf) <= size else memoryview(buf)[: size - off]
-        await self._call(lambda c: c.pwrite(data, off))
+        await self._call(self.export.pwrite(data, off))
         self._written += 1
         return len(data)
 
@@ -531,7 +544,7 @@ class BlockFile(pyfuse3.Operations):
         end = min(offset + length, size)
         while offset < end:
             count = min(end - offset, ZERO_CHUNK)
-            await self._call(functools.partial(_zero, count=count, offset=offset, flags=flags))
+            await self._call(self.export.zero(count, offset, flags))
             offset += count
         self._written += 1
 
@@ -615,6 +628,7 @@ def serve(
             return
         filesystem = BlockFile(export, direct_io=direct_io)
         pyfuse3.init(filesystem, os.fspath(mountpoint), mount_options(uri))
+        raise_background_limit(mountpoint, BACKGROUND_LIMIT)
         try:
             trio.run(_serve, filesystem, ready, stop)
         finally:

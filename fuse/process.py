@@ -14,6 +14,7 @@ import logging
 import os
 import selectors
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -138,3 +139,56 @@ async def run_fuse_loop(
         if after_unmount is not None:
             await after_unmount()
         nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
+
+
+FUSECTL: Final = "/sys/fs/fuse/connections"
+
+
+def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bool:
+    """Let the kernel keep up to ``limit`` asynchronous requests in flight on this mount.
+
+    The kernel's default is 12 (``max_background``), fewer than a loop device
+    or read-ahead issue at once, and pyfuse3 has no way to answer FUSE_INIT
+    with another value.  The mount's directory in the fusectl filesystem
+    (mounted here if the host has not) takes it instead.  Best effort:
+    without fusectl or the privilege the default stays, and this says so.
+    """
+    try:
+        # Not os.stat(mountpoint): that would ask this very process, whose
+        # FUSE loop is not running yet.
+        # (realpath of the mount point itself would stat it: only its parent.)
+        path = os.path.abspath(mountpoint)
+        path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        minor = _mount_minor(path)
+        directory = os.path.join(FUSECTL, str(minor))
+        if not os.path.isdir(directory) and not os.listdir(FUSECTL):
+            subprocess.run(
+                ["mount", "-t", "fusectl", "fusectl", FUSECTL],
+                check=True,
+                capture_output=True,
+                timeout=10,
+            )
+        # congestion_threshold may not exceed max_background: raise that first.
+        for name, value in (("max_background", limit), ("congestion_threshold", limit * 3 // 4)):
+            with open(os.path.join(directory, name), "w") as f:
+                f.write(str(value))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not raise the FUSE background limit to %d: %s", limit, e)
+        return False
+    log.debug("FUSE background limit of %s raised to %d", mountpoint, limit)
+    return True
+
+
+def _mount_minor(mountpoint: str) -> int:
+    """The device minor of the newest mount on ``mountpoint`` (/proc/self/mountinfo)."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            # mount ID, parent ID, major:minor, root, mount point (octal escapes), ...
+            point = fields[4].encode().decode("unicode_escape")
+            if point == mountpoint:
+                found = int(fields[2].split(":")[1])
+    if found is None:
+        raise FileNotFoundError(f"{mountpoint} is not in /proc/self/mountinfo")
+    return found

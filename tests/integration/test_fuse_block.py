@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pyfuse3
 import pytest
-import trio
 
 from fuse.blockdev import (
     Attachment,
@@ -41,6 +40,7 @@ from fuse.blockdev import (
     refresh_size,
 )
 from fuse.blockfile import (
+    BACKGROUND_LIMIT,
     DISK_INODE,
     FALLOC_FL_KEEP_SIZE,
     FALLOC_FL_PUNCH_HOLE,
@@ -49,6 +49,7 @@ from fuse.blockfile import (
     ExportConnections,
 )
 from fuse.loop import LoopBusy, loop_status
+from fuse.process import FUSECTL
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, free_port, run, sparse_image, wait_for_port
 
@@ -519,7 +520,7 @@ async def test_fallocate_handler_zeroes_ranges(moorage_server: NBDServer) -> Non
         await fs.fsync(info.fh, False)
         await fs.release(info.fh)
     finally:
-        await trio.to_thread.run_sync(export.close)
+        export.close()
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -567,3 +568,14 @@ def test_throughput_is_reported(
             f"\n  nbdcopy file -> export:              {rate['ci']:7.1f} MiB/s"
             f"\n  nbdcopy export -> null:              {rate['co']:7.1f} MiB/s"
         )
+
+
+def test_block_file_mount_keeps_more_requests_in_flight(
+    moorage_server: NBDServer, stack: BlockStack
+) -> None:
+    """The kernel's default of 12 background FUSE requests is raised (fusectl)."""
+    attachment = stack.attach(moorage_server.uri)
+    minor = os.minor(os.stat(attachment.file).st_dev)
+    control = Path(FUSECTL) / str(minor)
+    assert (control / "max_background").read_text().strip() == str(BACKGROUND_LIMIT)
+    assert int((control / "congestion_threshold").read_text()) == BACKGROUND_LIMIT * 3 // 4
