@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 LIBRARY: Final = "libnfs.so.13"
 NFS_V3: Final = 3
@@ -534,7 +534,7 @@ class NFSContext:
         del view
         if done < size:
             del buf[done:]
-        return bytes(buf)
+        return cast(bytes, buf)  # a bytearray: callers only read it, copying it is waste
 
     def pwrite(self, file: NFSFile, offset: int, data: bytes) -> int:
         """Write all of ``data`` at ``offset`` (unstable: :meth:`fsync` commits it)."""

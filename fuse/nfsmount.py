@@ -27,6 +27,11 @@ Choices, and why:
   (``cache_timeout``), the page cache is dropped at every open, writes go
   through (no writeback cache), and ``flush`` commits a handle that was
   written, as an NFS client does at close.
+- **Read-ahead.** The kernel reads at most 128 KiB per FUSE request, one
+  or two at a time; a sequential reader is served from chunks
+  fetched three ahead at once (:mod:`fuse.readahead`, 2 MiB chunks, at
+  most 64 MiB for the whole mount), held per open file and dropped when the
+  file is written, resized or closed through this mount.
 - **Hard mount.** libnfs reconnects forever unless ``timeout`` is given.
 """
 
@@ -48,7 +53,16 @@ import pyfuse3
 import trio
 
 from fuse.libnfs import NFSContext, NFSFile, NFSStat
-from fuse.process import READY, EarlyStop, ReadySignal, configure_logging, read_line, run_fuse_loop
+from fuse.process import (
+    READY,
+    EarlyStop,
+    ReadySignal,
+    configure_logging,
+    raise_background_limit,
+    read_line,
+    run_fuse_loop,
+)
+from fuse.readahead import Budget, ReadAhead
 
 log = logging.getLogger("moorage.fuse.nfs")
 
@@ -56,6 +70,8 @@ FSTYPE: Final = "moorage-nfs"  # the FUSE subtype: /proc/mounts says fuse.moorag
 ROOT: Final = b"/"
 DEFAULT_CONTEXTS: Final = 4
 DEFAULT_CACHE_TIMEOUT: Final = 1.0
+# Asynchronous FUSE requests the kernel keeps in flight (its default: 12).
+BACKGROUND_LIMIT: Final = 32
 # open flags libnfs is told about: the kernel handles O_APPEND and O_TRUNC itself
 _OPEN_FLAGS: Final = os.O_ACCMODE | os.O_SYNC | os.O_DSYNC
 _DOTS: Final = (b".", b"..")
@@ -197,6 +213,7 @@ class _Node:
 class _OpenFile:
     file: NFSFile
     inode: int
+    ahead: ReadAhead
     dirty: bool = False  # written since the last COMMIT
 
 
@@ -229,6 +246,7 @@ class NFSFilesystem(pyfuse3.Operations):
         self._nodes: dict[int, _Node] = {pyfuse3.ROOT_INODE: _Node(ROOT, 1)}
         self._by_path: dict[bytes, int] = {ROOT: pyfuse3.ROOT_INODE}
         self._files: dict[int, _OpenFile] = {}
+        self._read_ahead = Budget()
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
 
@@ -397,6 +415,8 @@ class NFSFilesystem(pyfuse3.Operations):
         path = node.path if node is not None else None
         if path is None and file is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if fields.update_size:
+            self._drop_read_ahead(inode)
 
         def change(c: NFSContext) -> NFSStat:
             named = path
@@ -598,7 +618,11 @@ class NFSFilesystem(pyfuse3.Operations):
 
     def _file_info(self, file: NFSFile, inode: int) -> pyfuse3.FileInfo:
         fh = self._new_fh()
-        self._files[fh] = _OpenFile(file, inode)
+
+        async def fetch(offset: int, size: int) -> bytes:
+            return await self._run(lambda c: c.pread(file, offset, size))
+
+        self._files[fh] = _OpenFile(file, inode, ReadAhead(fetch, self._read_ahead))
         info = pyfuse3.FileInfo(fh=fh)
         info.keep_cache = False  # close-to-open: what another client wrote is read
         return info
@@ -633,13 +657,19 @@ class NFSFilesystem(pyfuse3.Operations):
         return self._file_info(file, attr.st_ino), attr
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        file = self._files[fh].file
-        return await self._run(lambda c: c.pread(file, off, size))
+        return await self._files[fh].ahead.read(off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._files[fh]
         handle.dirty = True
+        self._drop_read_ahead(handle.inode)
         return await self._run(lambda c: c.pwrite(handle.file, off, buf))
+
+    def _drop_read_ahead(self, inode: int) -> None:
+        """What was read ahead of this file is stale: it was written or resized here."""
+        for handle in self._files.values():
+            if handle.inode == inode:
+                handle.ahead.drop()
 
     async def _commit(self, handle: _OpenFile) -> None:
         handle.dirty = False
@@ -660,6 +690,7 @@ class NFSFilesystem(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._files.pop(fh)
         try:
+            await handle.ahead.aclose()  # no read of the handle may outlive it
             if handle.dirty:
                 await self._commit(handle)
         finally:
@@ -705,6 +736,7 @@ def serve(
         filesystem = NFSFilesystem(pool, root_fileid, cache_timeout)
         options = mount_options(export, allow_other=allow_other)
         pyfuse3.init(filesystem, os.fspath(mountpoint), options)
+        raise_background_limit(mountpoint, BACKGROUND_LIMIT)
         try:
             trio.run(run_fuse_loop, ready, stop)
         finally:

@@ -154,13 +154,7 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
     without fusectl or the privilege the default stays, and this says so.
     """
     try:
-        # Not os.stat(mountpoint): that would ask this very process, whose
-        # FUSE loop is not running yet.
-        # (realpath of the mount point itself would stat it: only its parent.)
-        path = os.path.abspath(mountpoint)
-        path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-        minor = _mount_minor(path)
-        directory = os.path.join(FUSECTL, str(minor))
+        directory = os.path.join(FUSECTL, str(_mount_device(mountpoint)[1]))
         if not os.path.isdir(directory) and not os.listdir(FUSECTL):
             subprocess.run(
                 ["mount", "-t", "fusectl", "fusectl", FUSECTL],
@@ -179,16 +173,24 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
     return True
 
 
-def _mount_minor(mountpoint: str) -> int:
-    """The device minor of the newest mount on ``mountpoint`` (/proc/self/mountinfo)."""
+def _mount_device(mountpoint: str | os.PathLike[str]) -> tuple[int, int]:
+    """Major and minor device numbers of the newest mount on ``mountpoint``.
+
+    Read from /proc/self/mountinfo, not with os.stat: that would ask this very
+    process, whose FUSE loop is not running yet (and so would resolving the
+    mount point itself: only its parent is resolved).
+    """
+    path = os.path.abspath(mountpoint)
+    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     found = None
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             # mount ID, parent ID, major:minor, root, mount point (octal escapes), ...
             point = fields[4].encode().decode("unicode_escape")
-            if point == mountpoint:
-                found = int(fields[2].split(":")[1])
+            if point == path:
+                major, minor = fields[2].split(":")
+                found = int(major), int(minor)
     if found is None:
-        raise FileNotFoundError(f"{mountpoint} is not in /proc/self/mountinfo")
+        raise FileNotFoundError(f"{path} is not in /proc/self/mountinfo")
     return found

@@ -694,6 +694,38 @@ def test_changes_by_another_client_are_seen(ganesha: Ganesha, work: Workspace) -
         assert sorted(os.listdir(work.mounted)) == ["dir", "dir2", "new-file", "x", "y"]
 
 
+def test_read_ahead_is_not_served_after_another_client_rewrites_the_file(
+    ganesha: Ganesha, work: Workspace
+) -> None:
+    """Close-to-open: chunks read ahead for one open never answer a later open."""
+    with libnfs.mounted(
+        "127.0.0.1",
+        ganesha.export.pseudo,
+        nfs_port=ganesha.core.nfs_port,
+        mount_port=ganesha.mount_port,
+    ) as other:
+        path = f"/{work.mounted.name}/big"
+        first, second = os.urandom(8 * MiB), os.urandom(8 * MiB)
+        (work.mounted / "big").write_bytes(first)
+        with (work.mounted / "big").open("rb") as f:
+            assert f.read(4 * MiB) == first[: 4 * MiB]  # sequential: chunks fetched ahead
+            handle = other.open(path, os.O_WRONLY)
+            try:
+                other.pwrite(handle, 0, second)
+                other.fsync(handle)
+            finally:
+                other.close(handle)
+        assert (work.mounted / "big").read_bytes() == second
+        # And written through the mount while open for reading: the new bytes.
+        with (work.mounted / "big").open("r+b") as f:
+            assert f.read(2 * MiB) == second[: 2 * MiB]
+            f.seek(2 * MiB)
+            f.write(first[: 2 * MiB])
+            f.flush()
+            f.seek(2 * MiB)
+            assert f.read(2 * MiB) == first[: 2 * MiB]
+
+
 def test_errors_are_errnos(work: Workspace) -> None:
     with pytest.raises(FileNotFoundError):
         (work.mounted / "missing").open()
