@@ -14,7 +14,6 @@ import logging
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -150,23 +149,17 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
     The kernel's default is 12 (``max_background``), fewer than a loop device
     or read-ahead issue at once, and pyfuse3 has no way to answer FUSE_INIT
     with another value.  The mount's directory in the fusectl filesystem
-    (mounted here if the host has not) takes it instead.  Best effort:
-    without fusectl or the privilege the default stays, and this says so.
+    takes it instead (systemd mounts fusectl at boot; so does
+    deploy/host/install-deps.sh).  Best effort: without fusectl or the
+    privilege the default stays, and this says so.
     """
     try:
         directory = os.path.join(FUSECTL, str(_mount_device(mountpoint)[1]))
-        if not os.path.isdir(directory) and not os.listdir(FUSECTL):
-            subprocess.run(
-                ["mount", "-t", "fusectl", "fusectl", FUSECTL],
-                check=True,
-                capture_output=True,
-                timeout=10,
-            )
         # congestion_threshold may not exceed max_background: raise that first.
         for name, value in (("max_background", limit), ("congestion_threshold", limit * 3 // 4)):
             with open(os.path.join(directory, name), "w") as f:
                 f.write(str(value))
-    except (OSError, subprocess.SubprocessError) as e:
+    except OSError as e:
         log.warning("could not raise the FUSE background limit to %d: %s", limit, e)
         return False
     log.debug("FUSE background limit of %s raised to %d", mountpoint, limit)
