@@ -27,11 +27,13 @@ Choices, and why:
   (``cache_timeout``), the page cache is dropped at every open, writes go
   through (no writeback cache), and ``flush`` commits a handle that was
   written, as an NFS client does at close.
-- **Read-ahead.** The kernel reads at most 128 KiB per FUSE request, one
-  or two at a time; a sequential reader is served from chunks
-  fetched three ahead at once (:mod:`fuse.readahead`, 2 MiB chunks, at
-  most 64 MiB for the whole mount), held per open file and dropped when the
-  file is written, resized or closed through this mount.
+- **Read-ahead.** The kernel's read-ahead on the mount is raised to
+  1 MiB once FUSE_INIT is answered (pyfuse3 answers 128 KiB, and the
+  kernel lowers the window to that), which makes its reads up to 1 MiB;
+  a sequential reader is also served from 2 MiB chunks fetched three
+  ahead at once (:mod:`fuse.readahead`, at most 64 MiB for the whole
+  mount), held per open file and dropped when the file is written,
+  resized or closed through this mount.
 - **Hard mount.** libnfs reconnects forever unless ``timeout`` is given.
 """
 
@@ -61,6 +63,7 @@ from fuse.process import (
     raise_background_limit,
     read_line,
     run_fuse_loop,
+    set_read_ahead,
 )
 from fuse.readahead import Budget, ReadAhead
 
@@ -72,6 +75,8 @@ DEFAULT_CONTEXTS: Final = 4
 DEFAULT_CACHE_TIMEOUT: Final = 1.0
 # Asynchronous FUSE requests the kernel keeps in flight (its default: 12).
 BACKGROUND_LIMIT: Final = 32
+# The kernel's read-ahead on the mount, and so the size of its reads.
+READ_AHEAD_KIB: Final = 1024
 # open flags libnfs is told about: the kernel handles O_APPEND and O_TRUNC itself
 _OPEN_FLAGS: Final = os.O_ACCMODE | os.O_SYNC | os.O_DSYNC
 _DOTS: Final = (b".", b"..")
@@ -249,6 +254,13 @@ class NFSFilesystem(pyfuse3.Operations):
         self._read_ahead = Budget()
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
+        # Called with the first request after FUSE_INIT (see serve).
+        self.after_init: Callable[[], object] | None = None
+
+    def _first_requests(self) -> None:
+        hook, self.after_init = self.after_init, None
+        if hook is not None:
+            hook()
 
     # -------------------------------------------------------------- plumbing
 
@@ -364,6 +376,7 @@ class NFSFilesystem(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        self._first_requests()
         parent = self._path(parent_inode)
         if name == b".":
             path = parent
@@ -387,6 +400,7 @@ class NFSFilesystem(pyfuse3.Operations):
     async def getattr(
         self, inode: int, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
+        self._first_requests()
         node = self._nodes.get(inode)
         path = node.path if node is not None else None
         file = self._open_file(inode)
@@ -462,6 +476,7 @@ class NFSFilesystem(pyfuse3.Operations):
         return self._attributes(await self._run(change))
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        self._first_requests()
         st = await self._run(lambda c: c.statvfs(ROOT))
         data = pyfuse3.StatvfsData()
         data.f_bsize = st.bsize
@@ -482,6 +497,7 @@ class NFSFilesystem(pyfuse3.Operations):
     # -------------------------------------------------------------- directories
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self._first_requests()
         path = self._path(inode)
 
         def listing(c: NFSContext) -> list[tuple[bytes, NFSStat]]:
@@ -628,6 +644,7 @@ class NFSFilesystem(pyfuse3.Operations):
         return info
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        self._first_requests()
         path = self._path(inode)
 
         file = await self._run(lambda c: c.open(path, flags & _OPEN_FLAGS))
@@ -737,6 +754,7 @@ def serve(
         options = mount_options(export, allow_other=allow_other)
         pyfuse3.init(filesystem, os.fspath(mountpoint), options)
         raise_background_limit(mountpoint, BACKGROUND_LIMIT)
+        filesystem.after_init = lambda: set_read_ahead(mountpoint, READ_AHEAD_KIB)
         try:
             trio.run(run_fuse_loop, ready, stop)
         finally:

@@ -166,6 +166,26 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
     return True
 
 
+def set_read_ahead(mountpoint: str | os.PathLike[str], kib: int) -> bool:
+    """Let the kernel read ``kib`` KiB ahead on this mount (its default: 128 KiB).
+
+    Reads of a FUSE file are as large as the read-ahead window, so this also
+    makes them fewer and larger.  It must be set once FUSE_INIT has been
+    answered: the kernel then lowers the window to what the answer said
+    (pyfuse3 answers 128 KiB).  Set through the mount's backing device in
+    sysfs; best effort.
+    """
+    try:
+        major, minor = _mount_device(mountpoint)
+        with open(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb", "w") as f:
+            f.write(str(kib))
+    except OSError as e:
+        log.warning("could not set the read-ahead of %s to %d KiB: %s", mountpoint, kib, e)
+        return False
+    log.debug("read-ahead of %s set to %d KiB", mountpoint, kib)
+    return True
+
+
 def _mount_device(mountpoint: str | os.PathLike[str]) -> tuple[int, int]:
     """Major and minor device numbers of the newest mount on ``mountpoint``.
 

@@ -38,8 +38,9 @@ import trio
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import GaneshaSupervisor
-from fuse import libnfs
+from fuse import libnfs, nfsmount
 from fuse.nfsmount import FSTYPE, MountError, mount_nfs, unmount
+from fuse.process import FUSECTL
 from tests.conftest import REPO, free_port
 
 TIMEOUT = 60
@@ -586,6 +587,19 @@ def test_listing_is_neither_skipped_nor_repeated_while_entries_are_removed(
     assert len(seen) == len(set(seen)) == 600
     assert set(seen) == names
     assert os.listdir(work.mounted) == []
+
+
+def test_mount_reads_ahead_and_keeps_more_requests_in_flight(mount: FuseMount) -> None:
+    """Read-ahead (and so the size of FUSE reads) and the background limit are raised.
+
+    The read-ahead only once FUSE_INIT is answered: set before, the kernel
+    lowers it again to what pyfuse3 answers.
+    """
+    dev = os.stat(mount.mountpoint).st_dev  # a request after FUSE_INIT
+    bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    assert int(bdi.read_text()) == nfsmount.READ_AHEAD_KIB
+    control = Path(FUSECTL) / str(os.minor(dev))
+    assert int((control / "max_background").read_text()) == nfsmount.BACKGROUND_LIMIT
 
 
 def test_statvfs_matches_the_exported_file_system(ganesha: Ganesha, mount: FuseMount) -> None:
