@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from nbd.iov import consume
+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
@@ -141,11 +143,7 @@ class Image:
         while views:
             done = os.pwritev(self.fd, views, offset)
             offset += done
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
-            if done:
-                views[0] = views[0][done:]
+            consume(views, done)
         if time.monotonic() - now > (SLOW_THREAD_WRITE if slow is None else slow):
             self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
 

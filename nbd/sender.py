@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import trio
 
+from nbd.iov import consume
 from nbd.transport import Buffer, PeerClosed
 
 log = logging.getLogger("moorage.nbd")
@@ -252,11 +253,7 @@ class ThreadedReplies:
                     await trio.lowlevel.wait_writable(self._fd)
                     continue
                 started = True
-                while views and sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                if sent:
-                    views[0] = views[0][sent:]
+                consume(views, sent)
         except OSError as e:
             self._die(e)
         except trio.ClosedResourceError as e:
@@ -381,8 +378,4 @@ class ThreadedReplies:
                 if self._abort:
                     return
                 continue
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
+            consume(views, sent)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from nbd.iov import consume
+
 Buffer = bytes | bytearray | memoryview
 
 # Input is read in chunks of this size for headers (many small requests per
@@ -152,11 +154,7 @@ class Transport:
             views = [memoryview(p).cast("B") for p in parts if len(p)]
             while views:
                 sent = await self._sock.sendmsg(views[:_IOV_MAX])
-                while views and sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                if sent:
-                    views[0] = views[0][sent:]
+                consume(views, sent)
         except OSError as e:
             raise PeerClosed(str(e)) from e
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:

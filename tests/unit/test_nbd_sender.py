@@ -15,6 +15,7 @@ from pathlib import Path
 
 import trio
 
+from nbd.iov import consume
 from nbd.sender import ThreadedReplies, WriteJob
 from nbd.transport import PeerClosed
 
@@ -204,3 +205,15 @@ async def test_close_sends_everything_queued_before_it() -> None:
     assert "nbd-send" not in _threads()
     a.close()
     b.close()
+
+
+def test_consume_drops_what_a_vectored_write_took() -> None:
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"h")]
+    consume(views, 0)
+    assert [bytes(v) for v in views] == [b"abc", b"defg", b"h"]
+    consume(views, 4)  # all of the first, part of the second
+    assert [bytes(v) for v in views] == [b"efg", b"h"]
+    consume(views, 3)  # exactly one whole view
+    assert [bytes(v) for v in views] == [b"h"]
+    consume(views, 1)
+    assert views == []
