@@ -114,10 +114,10 @@ def _calling_all(callbacks: list[Callable[[], None]]) -> Callable[[], None] | No
 class ThreadedReplies:
     """Same interface as ``ReplyQueue``; the sending happens in a thread.
 
-    ``sent`` callbacks run in the sending thread, so they must be safe to
-    call from another thread (returning a buffer to a ``BufferPool`` is).
-    ``put_job`` queues work that makes a reply: the thread runs it, then
-    sends what it returns.
+    ``sent`` callbacks may run in the sending thread, so they must be safe
+    to call from another thread (returning a buffer to a ``BufferPool`` is).
+    ``put_write`` queues a write that the thread makes before it sends the
+    write's reply.
     """
 
     def __init__(self, sock: trio.socket.SocketType, limit: int = 2 * 1024 * 1024) -> None:
