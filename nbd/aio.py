@@ -28,6 +28,7 @@ import errno
 import itertools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -157,6 +158,7 @@ class AioConnection:
             self._ids.discard(ident)
             self._check_dead()
             raise
+        self._check_dead()  # sending it may have found the connection gone
         if self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE:
             self._write_wanted.set()
         try:
@@ -177,27 +179,21 @@ class AioConnection:
             trio.lowlevel.spawn_system_task(self._send_requests, name=f"nbd-aio-send-{self._fd}")
 
     async def _read_replies(self) -> None:
-        try:
+        async def loop() -> None:
             while self.alive:
                 await trio.lowlevel.wait_readable(self._fd)
+                self._check_dead()  # libnbd refuses notify on a dead handle (EINVAL)
                 if not self.alive:
                     return
                 self._lib.nbd_aio_notify_read(self._h)
                 if self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE:
                     self._write_wanted.set()
                 self._check_dead()
-        except trio.ClosedResourceError:
-            pass
-        except NBDError as e:
-            self._die(e)
-        except trio.Cancelled:
-            raise
-        except BaseException:  # a system task must not raise: it would end the run
-            log.exception("NBD reply reader failed")
-            self._die(NBDError("reply reader failed", errno.EIO))
+
+        await self._driver("reply reader", loop)
 
     async def _send_requests(self) -> None:
-        try:
+        async def loop() -> None:
             while self.alive:
                 await self._write_wanted.wait()
                 self._write_wanted = trio.Event()
@@ -205,19 +201,27 @@ class AioConnection:
                     self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE
                 ):
                     await trio.lowlevel.wait_writable(self._fd)
+                    self._check_dead()
                     if not self.alive:
                         return
                     self._lib.nbd_aio_notify_write(self._h)
                     self._check_dead()
+
+        await self._driver("request sender", loop)
+
+    async def _driver(self, what: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a driver task's loop; a system task must not raise (it would end the run)."""
+        try:
+            await loop()
         except trio.ClosedResourceError:
-            pass
+            pass  # closed: the connection is being let go
         except NBDError as e:
             self._die(e)
         except trio.Cancelled:
             raise
-        except BaseException:  # a system task must not raise: it would end the run
-            log.exception("NBD request sender failed")
-            self._die(NBDError("request sender failed", errno.EIO))
+        except BaseException:
+            log.exception("NBD %s failed", what)
+            self._die(NBDError(f"{what} failed", errno.EIO))
 
     def _check_dead(self) -> None:
         if self._lib.nbd_aio_is_dead(self._h) == 1 or self._lib.nbd_aio_is_closed(self._h) == 1:

@@ -365,13 +365,18 @@ def test_struct_layouts_match_the_libnfs_4_0_0_headers() -> None:
     assert ctypes.sizeof(libnfs._NFSUrl) == 24
 
 
-def test_bindings_talk_nfsv3_to_the_export(ganesha: Ganesha) -> None:
-    with libnfs.mounted(
+def another_client(ganesha: Ganesha) -> contextlib.AbstractContextManager[libnfs.NFSContext]:
+    """A libnfs client of the export, beside the FUSE mount."""
+    return libnfs.mounted(
         "127.0.0.1",
         ganesha.export.pseudo,
         nfs_port=ganesha.core.nfs_port,
         mount_port=ganesha.mount_port,
-    ) as nfs:
+    )
+
+
+def test_bindings_talk_nfsv3_to_the_export(ganesha: Ganesha) -> None:
+    with another_client(ganesha) as nfs:
         name = f"/bind-{uuid.uuid4().hex[:8]}"
         assert nfs.lstat("/").ino == ganesha.directory.stat().st_ino
         f = nfs.create(name, os.O_RDWR | os.O_EXCL, 0o640)
@@ -667,12 +672,7 @@ def test_a_second_mount_sees_the_first_ones_changes(ganesha: Ganesha, work: Work
 def test_changes_by_another_client_are_seen(ganesha: Ganesha, work: Workspace) -> None:
     # Another NFS client (not the exported directory itself: ganesha caches
     # what it serves and does not see changes made behind its back at once).
-    with libnfs.mounted(
-        "127.0.0.1",
-        ganesha.export.pseudo,
-        nfs_port=ganesha.core.nfs_port,
-        mount_port=ganesha.mount_port,
-    ) as other:
+    with another_client(ganesha) as other:
         here = f"/{work.mounted.name}"
 
         def other_writes(name: str, data: bytes) -> None:
@@ -712,12 +712,7 @@ def test_read_ahead_is_not_served_after_another_client_rewrites_the_file(
     ganesha: Ganesha, work: Workspace
 ) -> None:
     """Close-to-open: chunks read ahead for one open never answer a later open."""
-    with libnfs.mounted(
-        "127.0.0.1",
-        ganesha.export.pseudo,
-        nfs_port=ganesha.core.nfs_port,
-        mount_port=ganesha.mount_port,
-    ) as other:
+    with another_client(ganesha) as other:
         path = f"/{work.mounted.name}/big"
         first, second = os.urandom(8 * MiB), os.urandom(8 * MiB)
         (work.mounted / "big").write_bytes(first)

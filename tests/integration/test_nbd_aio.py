@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
@@ -29,11 +30,12 @@ GONE = {errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE, errno.ESHUTDOWN}
 @pytest.fixture(params=["moorage", "qemu-nbd"])
 def server(
     request: pytest.FixtureRequest, tmp_path: Path, nbd_servers: NBDServerFactory
-) -> Iterator[tuple[str, Path]]:
+) -> Iterator[tuple[str, Path, int]]:
+    """(URI, image, server pid) for each peer."""
     image = sparse_image(tmp_path / "disk.img", SIZE)
     if request.param == "moorage":
         s = nbd_servers.start({"disk": image})
-        yield f"nbd://127.0.0.1:{s.port}/disk", image
+        yield f"nbd://127.0.0.1:{s.port}/disk", image, s.proc.pid
         return
     port = free_port()
     proc = subprocess.Popen(
@@ -44,7 +46,7 @@ def server(
     )
     try:
         wait_for_port(port, proc)
-        yield f"nbd://127.0.0.1:{port}/disk", image
+        yield f"nbd://127.0.0.1:{port}/disk", image, proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
@@ -59,31 +61,29 @@ def _no_aio_threads() -> bool:
     return threading.active_count() == 1
 
 
-async def test_many_requests_in_flight_on_one_connection(server: tuple[str, Path]) -> None:
-    uri, image = server
+async def test_many_requests_in_flight_on_one_connection(server: tuple[str, Path, int]) -> None:
+    uri, image, pid = server
     conn = _open(uri)
     blocks = [os.urandom(64 * 1024) for _ in range(256)]  # 16 MiB
-    peak = 0
+    back = [bytearray(64 * 1024) for _ in blocks]
     try:
         with trio.fail_after(60):
-
-            async def write(i: int) -> None:
-                nonlocal peak
-                request = conn.pwrite(blocks[i], i * 64 * 1024)
-                peak = max(peak, conn.in_flight + 1)
-                await request
-
             async with trio.open_nursery() as nursery:
-                for i in range(len(blocks)):
-                    nursery.start_soon(write, i)
+                for i, block in enumerate(blocks):
+                    nursery.start_soon(conn.pwrite, block, i * 64 * 1024)
             assert _no_aio_threads()
             await conn.flush()
-            back = [bytearray(64 * 1024) for _ in blocks]
-            async with trio.open_nursery() as nursery:
-                for i, buf in enumerate(back):
-                    nursery.start_soon(conn.pread_into, buf, i * 64 * 1024)
-                await trio.sleep(0)
-                assert conn.in_flight > 1, "requests were not in flight together"
+            # The server stopped: every read is issued, none can be answered.
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i, buf in enumerate(back):
+                        nursery.start_soon(conn.pread_into, buf, i * 64 * 1024)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert conn.in_flight == len(back)
+                    os.kill(pid, signal.SIGCONT)
+            finally:
+                os.kill(pid, signal.SIGCONT)
     finally:
         conn.close()
     assert [bytes(b) for b in back] == blocks
@@ -92,8 +92,8 @@ async def test_many_requests_in_flight_on_one_connection(server: tuple[str, Path
     assert conn.in_flight == 0
 
 
-async def test_zero_and_server_errors_come_back_as_errno(server: tuple[str, Path]) -> None:
-    uri, _ = server
+async def test_zero_and_server_errors_come_back_as_errno(server: tuple[str, Path, int]) -> None:
+    uri, _, _ = server
     conn = _open(uri)
     try:
         with trio.fail_after(30):
@@ -143,8 +143,10 @@ async def test_server_killed_fails_requests_in_flight_with_enotconn(
     assert set(failures) <= GONE
 
 
-async def test_close_fails_waiting_requests_and_later_ones(server: tuple[str, Path]) -> None:
-    uri, _ = server
+async def test_close_fails_waiting_requests_and_later_ones(
+    server: tuple[str, Path, int],
+) -> None:
+    uri, _, _ = server
     conn = _open(uri)
     with trio.fail_after(30):
         await conn.pwrite(b"x" * 4096, 0)
