@@ -14,6 +14,7 @@ import logging
 import os
 import selectors
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -149,21 +150,79 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
     The kernel's default is 12 (``max_background``), fewer than a loop device
     or read-ahead issue at once, and pyfuse3 has no way to answer FUSE_INIT
     with another value.  The mount's directory in the fusectl filesystem
-    takes it instead (systemd mounts fusectl at boot; so does
-    deploy/host/install-deps.sh).  Best effort: without fusectl or the
+    takes it instead (see :func:`fusectl`).  Best effort: without the
     privilege the default stays, and this says so.
     """
     try:
-        directory = os.path.join(FUSECTL, str(_mount_device(mountpoint)[1]))
+        minor = _mount_device(mountpoint)[1]
         # congestion_threshold may not exceed max_background: raise that first.
-        for name, value in (("max_background", limit), ("congestion_threshold", limit * 3 // 4)):
-            with open(os.path.join(directory, name), "w") as f:
-                f.write(str(value))
-    except OSError as e:
+        fusectl(minor, {"max_background": limit, "congestion_threshold": limit * 3 // 4})
+    except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not raise the FUSE background limit to %d: %s", limit, e)
         return False
     log.debug("FUSE background limit of %s raised to %d", mountpoint, limit)
     return True
+
+
+# Reads (no value) or writes the named files of one connection's directory,
+# on a fusectl mounted in this shell's own mount namespace.
+_FUSECTL_SCRIPT = """
+set -e
+mount -t fusectl fusectl "$1"
+dir="$1/$2"; shift 2
+while [ $# -gt 0 ]; do
+    if [ -n "$2" ]; then printf %s "$2" > "$dir/$1"; else cat "$dir/$1"; fi
+    shift 2
+done
+"""
+
+
+def fusectl(minor: int, values: dict[str, int | None]) -> list[str]:
+    """Write (an int) or read (None) files of FUSE connection ``minor`` in fusectl.
+
+    fusectl is one filesystem for the whole kernel.  Where the host mounts it
+    (systemd does, at boot) it is used in place; otherwise it is mounted in a
+    private mount namespace of a short-lived ``unshare``, so nothing is left
+    mounted on the host, whatever happens to this process.  What was read, in
+    order.
+    """
+    directory = os.path.join(FUSECTL, str(minor))
+    if os.path.isdir(directory):
+        out = []
+        for name, value in values.items():
+            path = os.path.join(directory, name)
+            if value is None:
+                with open(path) as f:
+                    out.append(f.read().strip())
+            else:
+                with open(path, "w") as f:
+                    f.write(str(value))
+        return out
+    args = [
+        item
+        for name, value in values.items()
+        for item in (name, "" if value is None else str(value))
+    ]
+    done = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            _FUSECTL_SCRIPT,
+            "sh",
+            FUSECTL,
+            str(minor),
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return done.stdout.split()
 
 
 def set_read_ahead(mountpoint: str | os.PathLike[str], kib: int) -> bool:

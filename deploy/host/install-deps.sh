@@ -37,12 +37,6 @@ packages=(
     linux-libc-dev
 )
 
-# The FUSE control filesystem, where the FUSE mount processes raise the
-# kernel's limit of 12 background requests per mount.  systemd mounts it at
-# boot (sys-fs-fuse-connections.mount); hosts without systemd get it here.
-if [ -d /sys/fs/fuse/connections ] && ! grep -q " /sys/fs/fuse/connections fusectl " /proc/mounts; then
-    mount -t fusectl fusectl /sys/fs/fuse/connections || echo "install-deps: fusectl not mounted: FUSE mounts keep the kernel's default request limit" >&2
-fi
 missing=()
 for p in "${packages[@]}"; do
     status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)

@@ -49,7 +49,7 @@ from fuse.blockfile import (
     ExportConnections,
 )
 from fuse.loop import LoopBusy, loop_status
-from fuse.process import FUSECTL
+from fuse.process import fusectl
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, free_port, run, sparse_image, wait_for_port
 
@@ -576,6 +576,6 @@ def test_block_file_mount_keeps_more_requests_in_flight(
     """The kernel's default of 12 background FUSE requests is raised (fusectl)."""
     attachment = stack.attach(moorage_server.uri)
     minor = os.minor(os.stat(attachment.file).st_dev)
-    control = Path(FUSECTL) / str(minor)
-    assert (control / "max_background").read_text().strip() == str(BACKGROUND_LIMIT)
-    assert int((control / "congestion_threshold").read_text()) == BACKGROUND_LIMIT * 3 // 4
+    background, congestion = fusectl(minor, {"max_background": None, "congestion_threshold": None})
+    assert int(background) == BACKGROUND_LIMIT
+    assert int(congestion) == BACKGROUND_LIMIT * 3 // 4

@@ -40,7 +40,7 @@ from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import GaneshaSupervisor
 from fuse import libnfs, nfsmount
 from fuse.nfsmount import FSTYPE, MountError, mount_nfs, unmount
-from fuse.process import FUSECTL
+from fuse.process import fusectl
 from tests.conftest import REPO, free_port
 
 TIMEOUT = 60
@@ -603,8 +603,8 @@ def test_mount_reads_ahead_and_keeps_more_requests_in_flight(mount: FuseMount) -
     dev = os.stat(mount.mountpoint).st_dev  # a request after FUSE_INIT
     bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
     assert int(bdi.read_text()) == nfsmount.READ_AHEAD_KIB
-    control = Path(FUSECTL) / str(os.minor(dev))
-    assert int((control / "max_background").read_text()) == nfsmount.BACKGROUND_LIMIT
+    (background,) = fusectl(os.minor(dev), {"max_background": None})
+    assert int(background) == nfsmount.BACKGROUND_LIMIT
 
 
 def test_statvfs_matches_the_exported_file_system(ganesha: Ganesha, mount: FuseMount) -> None:
