@@ -72,10 +72,10 @@ from tests.bench.test_nbd_bench import (
     version,
 )
 from tests.conftest import REPO, run, sparse_image
+from tests.ganesha_env import ganesha_pids
 from tests.integration.test_fuse_nfs import (
     Ganesha,
     fuse_nfs_mounts,
-    ganesha_pids,
     mounted_here,
     process_alive,
     running_ganesha,

@@ -41,7 +41,8 @@ from backend.ganesha.supervisor import GaneshaSupervisor
 from fuse import libnfs, nfsmount
 from fuse.nfsmount import FSTYPE, MountError, mount_nfs, unmount
 from fuse.process import fusectl
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
+from tests.ganesha_env import ganesha_pids, ganesha_workspace
 
 TIMEOUT = 60
 MiB = 1 << 20
@@ -49,16 +50,6 @@ NOBODY = 65534
 
 
 # ------------------------------------------------------------------ ganesha
-
-
-def ganesha_pids(config_file: Path) -> list[int]:
-    result = subprocess.run(
-        ["pgrep", "-f", f"ganesha.nfsd .*-f {config_file}"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return [int(pid) for pid in result.stdout.split()]
 
 
 def mounted_here(path: Path) -> bool:
@@ -156,60 +147,36 @@ class Ganesha:
 @contextmanager
 def running_ganesha(size: str = "512m") -> Iterator[Ganesha]:
     """A tmpfs, an export of a directory on it, ganesha serving it; all gone afterwards."""
-    # readable by everyone: mount points live here and non-root test processes walk to them
-    base = Path(tempfile.mkdtemp(prefix="moorage-fusenfs-", dir="/tmp"))
-    base.chmod(0o755)
-    exports = base / "exports"
-    exports.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(exports)],
-        check=True,
-        timeout=30,
-    )
-    files = GaneshaFiles(base / "etc")
-    thread: SupervisorThread | None = None
-    try:
-        nfs_port, mount_port = free_port(), free_port()
-        while mount_port == nfs_port:
-            mount_port = free_port()
-        core = CoreConfig(
-            nfs_port=nfs_port,
-            mount_port=mount_port,
-            bind_addr="127.0.0.1",
-            recovery_root=base / "recovery",
-            graceless=True,
-            grace_period=5,
-            lease_lifetime=5,
-        )
-        directory = exports / "vol1"
-        directory.mkdir()
-        export = ExportConfig(
-            export_id=1,
-            path=directory,
-            pseudo="/volumes/vol1",
-            clients=("127.0.0.1",),
-            squash="no_root_squash",
-        )
-        files.write_main(core)
-        files.sync([export])
-        supervisor = GaneshaSupervisor(
-            files.main_file, core, pid_file=base / "run" / "ganesha.pid", stop_timeout=20
-        )
-        thread = SupervisorThread(supervisor)
-        thread.start()
-        yield Ganesha(base, core, export, files)
-    finally:
-        if thread is not None:
-            thread.stop()
-        for pid in ganesha_pids(files.main_file):
-            os.kill(pid, signal.SIGKILL)
-        # FUSE mounts below base (a test's leftovers) would keep the tmpfs busy
-        for line in fuse_nfs_mounts():
-            target = line.split()[1]
-            if target.startswith(str(base)):
-                subprocess.run(["fusermount3", "-u", "-z", target], timeout=30, check=False)
-        subprocess.run(["umount", str(exports)], check=True, timeout=30)
-        shutil.rmtree(base)
+    with ganesha_workspace("moorage-fusenfs-", size) as ws:
+        thread: SupervisorThread | None = None
+        try:
+            directory = ws.exports / "vol1"
+            directory.mkdir()
+            export = ExportConfig(
+                export_id=1,
+                path=directory,
+                pseudo="/volumes/vol1",
+                clients=("127.0.0.1",),
+                squash="no_root_squash",
+            )
+            ws.files.sync([export])
+            supervisor = GaneshaSupervisor(
+                ws.files.main_file,
+                ws.core,
+                pid_file=ws.base / "run" / "ganesha.pid",
+                stop_timeout=20,
+            )
+            thread = SupervisorThread(supervisor)
+            thread.start()
+            yield Ganesha(ws.base, ws.core, export, ws.files)
+        finally:
+            if thread is not None:
+                thread.stop()
+            # FUSE mounts below base (a test's leftovers) would keep the tmpfs busy
+            for line in fuse_nfs_mounts():
+                target = line.split()[1]
+                if target.startswith(str(ws.base)):
+                    subprocess.run(["fusermount3", "-u", "-z", target], timeout=30, check=False)
 
 
 @pytest.fixture(scope="module")

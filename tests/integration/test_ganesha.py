@@ -13,12 +13,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from backend.errors import Unavailable
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import RPCBIND_PORT, GaneshaSupervisor, accepts_tcp
-from tests.conftest import free_port
+from tests.ganesha_env import ganesha_pids, ganesha_workspace
 
 TIMEOUT = 60
 log = logging.getLogger(__name__)
@@ -49,17 +47,6 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def processes_using(config_file: Path) -> list[int]:
-    """Pids of ganesha processes started with this test's configuration file."""
-    result = subprocess.run(
-        ["pgrep", "-f", f"ganesha.nfsd .*-f {config_file}"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return [int(pid) for pid in result.stdout.split()]
 
 
 @dataclass
@@ -126,40 +113,11 @@ class Node:
 @pytest.fixture
 def node(caplog: pytest.LogCaptureFixture) -> Iterator[Node]:
     caplog.set_level(logging.DEBUG, logger="moorage.ganesha")
-    # tmp_path may hold characters the config allowlist refuses ([, ] of parametrised tests)
-    base = Path(tempfile.mkdtemp(prefix="moorage-ganesha-", dir="/tmp"))
-    exports = base / "exports"
-    exports.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(exports)],
-        check=True,
-        timeout=30,
-    )
-    files = GaneshaFiles(base / "etc")
-    try:
-        nfs_port, mount_port = free_port(), free_port()
-        while mount_port == nfs_port:
-            mount_port = free_port()
-        core = CoreConfig(
-            nfs_port=nfs_port,
-            mount_port=mount_port,
-            bind_addr="127.0.0.1",
-            recovery_root=base / "recovery",
-            graceless=True,
-            grace_period=5,
-            lease_lifetime=5,
-        )
-        files.write_main(core)
+    with ganesha_workspace("moorage-ganesha-", "64m") as ws:
         supervisor = GaneshaSupervisor(
-            files.main_file, core, pid_file=base / "run" / "ganesha.pid", stop_timeout=30
+            ws.files.main_file, ws.core, pid_file=ws.base / "run" / "ganesha.pid", stop_timeout=30
         )
-        yield Node(base, exports, core, files, supervisor)
-    finally:
-        # the supervisor stops ganesha; if a test broke that, do not leave it behind
-        for pid in processes_using(files.main_file):
-            os.kill(pid, signal.SIGKILL)
-        subprocess.run(["umount", str(exports)], check=True, timeout=30)
-        shutil.rmtree(base)
+        yield Node(ws.base, ws.exports, ws.core, ws.files, supervisor)
 
 
 def ganesha_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -339,7 +297,7 @@ async def test_stopping_the_supervisor_leaves_no_ganesha_and_no_rpcbind_of_its_o
         pid = node.supervisor.pid
         ours = node.supervisor.rpcbind_pid
         assert pid is not None and pid_alive(pid)
-        assert processes_using(node.files.main_file) == [pid]
+        assert ganesha_pids(node.files.main_file) == [pid]
         assert node.supervisor.pid_file.read_text().strip() == str(pid)
         # it starts rpcbind exactly when none listened
         assert (ours is None) == rpcbind_before
@@ -349,7 +307,7 @@ async def test_stopping_the_supervisor_leaves_no_ganesha_and_no_rpcbind_of_its_o
     log.info("ganesha stopped %.1fs after cancellation", trio.current_time() - stopping)
     assert node.supervisor.pid is None
     assert not pid_alive(pid)
-    assert processes_using(node.files.main_file) == []
+    assert ganesha_pids(node.files.main_file) == []
     assert not node.supervisor.pid_file.exists()
     if ours is not None:
         assert not pid_alive(ours)
@@ -364,7 +322,7 @@ async def test_nfs_port_in_use_is_unavailable_and_starts_nothing(node: Node) -> 
         squatter.listen()
         with pytest.raises(Unavailable, match=f"127.0.0.1:{node.core.nfs_port} is already in use"):
             await node.supervisor.run()
-    assert processes_using(node.files.main_file) == []
+    assert ganesha_pids(node.files.main_file) == []
     assert node.supervisor.pid is None
 
 
@@ -396,5 +354,5 @@ async def test_ganesha_that_exits_at_start_is_unavailable_with_its_reason(node: 
         holder.kill()
         holder.wait()
     assert "Ganesha already started" in str(failure.value)
-    assert processes_using(node.files.main_file) == []
+    assert ganesha_pids(node.files.main_file) == []
     assert node.supervisor.pid is None
