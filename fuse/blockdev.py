@@ -50,7 +50,7 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
-from fuse.process import READY, read_line
+from fuse.process import await_ready
 
 log = logging.getLogger("moorage.fuse.blockdev")
 
@@ -255,24 +255,17 @@ def _start_blockfile(
         raise
     finally:
         os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        # one line: "ready" or "error: <reason>"; EOF means it died
-        answer = read_line(pipe.fileno(), ready_timeout)
-    if answer == READY:
+
+    def unmount_if_mounted() -> None:
+        if is_mounted(mountpoint):
+            _unmount(mountpoint)
+
+    failure = await_ready(
+        proc, read_end, ready_timeout, unmount_if_mounted, lambda: _log_tail(directory / LOG)
+    )
+    if failure is None:
         return proc
-    proc.terminate()
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    if is_mounted(mountpoint):
-        _unmount(mountpoint)
-    if answer is None:
-        reason = f"no answer in {ready_timeout}s"
-    else:
-        reason = answer.decode(errors="replace").strip() or _log_tail(directory / LOG)
-    raise BlockAttachError(f"{uri}: FUSE block file exited {code}: {reason}")
+    raise BlockAttachError(f"{uri}: FUSE block file {failure}")
 
 
 # ------------------------------------------------------------------ attach, detach

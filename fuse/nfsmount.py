@@ -56,12 +56,11 @@ import trio
 
 from fuse.libnfs import NFSContext, NFSFile, NFSStat
 from fuse.process import (
-    READY,
     EarlyStop,
     ReadySignal,
+    await_ready,
     configure_logging,
     raise_background_limit,
-    read_line,
     run_fuse_loop,
     set_read_ahead,
 )
@@ -890,25 +889,17 @@ def _start_mount_process(
         os.close(write_end)
         if log_fd != subprocess.DEVNULL:
             os.close(log_fd)
-    with os.fdopen(read_end, "rb") as pipe:
-        # the child writes one line: "ready" or "error: <reason>"; EOF means it died
-        answer = read_line(pipe.fileno(), ready_timeout)
-    if answer == READY:
+
+    def unmount_if_mounted() -> None:
+        if not mounted_before and is_mounted(mountpoint):  # killed after mounting
+            unmount(mountpoint, lazy=True)
+
+    failure = await_ready(
+        proc, read_end, ready_timeout, unmount_if_mounted, lambda: "it stopped before mounting"
+    )
+    if failure is None:
         return proc.pid
-    if answer is None:
-        proc.terminate()
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    if not mounted_before and is_mounted(mountpoint):  # killed after mounting
-        unmount(mountpoint, lazy=True)
-    if answer is None:
-        reason = f"no answer in {ready_timeout}s"
-    else:
-        reason = answer.decode(errors="replace").strip() or "it stopped before mounting"
-    raise MountError(f"{what}: mount process exited {code}: {reason}")
+    raise MountError(f"{what}: mount process {failure}")
 
 
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:

@@ -141,6 +141,41 @@ async def run_fuse_loop(
         nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
 
 
+def await_ready(
+    proc: subprocess.Popen[bytes],
+    read_end: int,
+    timeout: float,
+    after_failure: Callable[[], None],
+    silent: Callable[[], str],
+) -> str | None:
+    """The starter's side: None once ``proc`` said ``ready`` on ``read_end``.
+
+    Otherwise the process is reaped (terminated first if it did not answer:
+    one that answered with an error is exiting by itself), ``after_failure``
+    cleans up what it may have left (a mount), and the reason is returned
+    with its exit code: its error line, ``silent()`` if it exited without
+    one, or that it did not answer in time.
+    """
+    with os.fdopen(read_end, "rb") as pipe:
+        # one line: "ready" or "error: <reason>"; EOF means it died
+        answer = read_line(pipe.fileno(), timeout)
+    if answer == READY:
+        return None
+    if answer is None:
+        proc.terminate()
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    after_failure()
+    if answer is None:
+        reason = f"no answer in {timeout}s"
+    else:
+        reason = answer.decode(errors="replace").strip() or silent()
+    return f"exited {code}: {reason}"
+
+
 FUSECTL: Final = "/sys/fs/fuse/connections"
 
 
