@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,33 @@ from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SPEC_PATH = REPO_ROOT.parent / "shared" / "reference" / "csi-spec-v1.13.md"
+SPEC_IN_SHARED = Path("shared") / "reference" / "csi-spec-v1.13.md"
+
+
+def _spec_path() -> Path:
+    """The spec in shared/ beside this repository, or beside the one it was cloned from.
+
+    A checkout made with ``git clone /path/to/main elsewhere`` has no shared/
+    beside it; its origin does.
+    """
+    candidates = [REPO_ROOT.parent / SPEC_IN_SHARED]
+    try:
+        origin = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "config", "--get", "remote.origin.url"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    if origin.startswith("file://"):
+        origin = origin[len("file://") :]
+    if origin.startswith("/"):
+        candidates.append(Path(origin).resolve().parent / SPEC_IN_SHARED)
+    return next((c for c in candidates if c.is_file()), candidates[0])
+
+
+SPEC_PATH = _spec_path()
 OUR_PROTO = Path("csi") / "proto" / "csi.proto"
 PACKAGE = "csi.v1"
 
