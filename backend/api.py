@@ -79,6 +79,11 @@ def volume_pb(v: VolumeInfo) -> pb.Volume:
         parameters=dict(v.parameters),
         created_unix=v.created_unix,
         squash=v.squash or "",
+        labels=dict(v.labels),
+        publications=[
+            pb.PublishedNode(node_id=p.node_id, node_address=p.node_address, read_only=p.read_only)
+            for p in v.publications
+        ],
     )
 
 
@@ -129,6 +134,7 @@ class BackendServicer(pb_grpc.BackendServicer):
             parameters=dict(request.parameters),
             source_snapshot_id=request.snapshot_id if source == "snapshot_id" else None,
             source_volume_id=request.volume_id if source == "volume_id" else None,
+            labels=dict(request.labels),
         )
         return volume_pb(volume)
 
@@ -144,6 +150,12 @@ class BackendServicer(pb_grpc.BackendServicer):
         self, request: pb.ExpandVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
         return volume_pb(self.service.expand_volume(request.volume_id, request.size_bytes))
+
+    @_rpc
+    def ModifyVolume(
+        self, request: pb.ModifyVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        return volume_pb(self.service.modify_volume(request.volume_id, dict(request.parameters)))
 
     @_rpc
     def GetVolume(self, request: pb.GetVolumeRequest, context: grpc.ServicerContext) -> pb.Volume:
@@ -197,7 +209,11 @@ class BackendServicer(pb_grpc.BackendServicer):
         self, request: pb.PublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.PublishVolumeResponse:
         target = self.service.publish_volume(
-            request.volume_id, request.node_id, request.node_address, request.read_only
+            request.volume_id,
+            request.node_id,
+            request.node_address,
+            request.read_only,
+            request.multi_writer,
         )
         if isinstance(target, NfsTargetInfo):
             return pb.PublishVolumeResponse(

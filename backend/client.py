@@ -21,17 +21,26 @@ class BackendClient:
         cert: Path | None = None,
         key: Path | None = None,
         timeout: float = 300.0,
+        *,
+        token: str | None = None,
+        ca_pem: bytes | None = None,
+        cert_pem: bytes | None = None,
+        key_pem: bytes | None = None,
     ) -> None:
+        """Credentials come from files, or as values (``token``, ``*_pem``) when a
+        caller holds them in memory (the CSI plugin's per-request secrets)."""
         self.address = address
         self.timeout = timeout
-        token = read_token(token_file) if token_file else None
+        if token_file:
+            token = read_token(token_file)
+        ca_pem = ca.read_bytes() if ca else ca_pem
+        cert_pem = cert.read_bytes() if cert else cert_pem
+        key_pem = key.read_bytes() if key else key_pem
         # Over TLS the token rides in call credentials; in clear, in plain metadata.
         self._metadata: tuple[tuple[str, str], ...] = ()
-        if ca is not None or cert is not None:
+        if ca_pem is not None or cert_pem is not None:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=ca.read_bytes() if ca else None,
-                private_key=key.read_bytes() if key else None,
-                certificate_chain=cert.read_bytes() if cert else None,
+                root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
             )
             if token:
                 creds = grpc.composite_channel_credentials(
@@ -58,12 +67,16 @@ class BackendClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object, timeout: float | None = None) -> object:
         rpc = getattr(self.stub, method)
-        return rpc(request, timeout=self.timeout, metadata=self._metadata)
+        return rpc(request, timeout=timeout or self.timeout, metadata=self._metadata)
 
     def create_volume(self, request: pb.CreateVolumeRequest) -> pb.Volume:
         return self._call("CreateVolume", request)  # type: ignore[return-value]
+
+    def modify_volume(self, volume_id: str, parameters: dict[str, str]) -> pb.Volume:
+        req = pb.ModifyVolumeRequest(volume_id=volume_id, parameters=parameters)
+        return self._call("ModifyVolume", req)  # type: ignore[return-value]
 
     def delete_volume(self, volume_id: str) -> None:
         self._call("DeleteVolume", pb.DeleteVolumeRequest(volume_id=volume_id))
@@ -92,10 +105,17 @@ class BackendClient:
         self._call("DeleteSnapshot", pb.DeleteSnapshotRequest(snapshot_id=snapshot_id))
 
     def list_snapshots(
-        self, max_entries: int = 0, token: str = "", source_volume_id: str = ""
+        self,
+        max_entries: int = 0,
+        token: str = "",
+        source_volume_id: str = "",
+        snapshot_id: str = "",
     ) -> pb.ListSnapshotsResponse:
         req = pb.ListSnapshotsRequest(
-            max_entries=max_entries, starting_token=token, source_volume_id=source_volume_id
+            max_entries=max_entries,
+            starting_token=token,
+            source_volume_id=source_volume_id,
+            snapshot_id=snapshot_id,
         )
         return self._call("ListSnapshots", req)  # type: ignore[return-value]
 
@@ -103,10 +123,19 @@ class BackendClient:
         return self._call("GetCapacity", pb.GetCapacityRequest())  # type: ignore[return-value]
 
     def publish(
-        self, volume_id: str, node_id: str, node_address: str, read_only: bool = False
+        self,
+        volume_id: str,
+        node_id: str,
+        node_address: str,
+        read_only: bool = False,
+        multi_writer: bool = False,
     ) -> pb.PublishVolumeResponse:
         req = pb.PublishVolumeRequest(
-            volume_id=volume_id, node_id=node_id, node_address=node_address, read_only=read_only
+            volume_id=volume_id,
+            node_id=node_id,
+            node_address=node_address,
+            read_only=read_only,
+            multi_writer=multi_writer,
         )
         return self._call("PublishVolume", req)  # type: ignore[return-value]
 
@@ -115,5 +144,5 @@ class BackendClient:
             "UnpublishVolume", pb.UnpublishVolumeRequest(volume_id=volume_id, node_id=node_id)
         )
 
-    def health(self) -> pb.HealthResponse:
-        return self._call("Health", pb.HealthRequest())  # type: ignore[return-value]
+    def health(self, timeout: float | None = None) -> pb.HealthResponse:
+        return self._call("Health", pb.HealthRequest(), timeout)  # type: ignore[return-value]

@@ -85,6 +85,15 @@ class VolumeInfo:
     published_nodes: tuple[str, ...]
     parameters: dict[str, str]
     created_unix: int
+    labels: dict[str, str] = field(default_factory=dict)
+    publications: tuple[PublicationInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class PublicationInfo:
+    node_id: str
+    node_address: str
+    read_only: bool
 
 
 @dataclass(frozen=True)
@@ -246,6 +255,11 @@ class StorageService:
             published_nodes=tuple(sorted(p.node_id for p in pubs)),
             parameters=dict(v.parameters or {}),
             created_unix=_unix(v),
+            labels=dict(v.labels or {}),
+            publications=tuple(
+                PublicationInfo(p.node_id, p.node_address, p.read_only)
+                for p in sorted(pubs, key=lambda p: p.node_id)
+            ),
         )
 
     @staticmethod
@@ -350,8 +364,10 @@ class StorageService:
         parameters: dict[str, str] | None = None,
         source_snapshot_id: str | None = None,
         source_volume_id: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> VolumeInfo:
         name = validation.volume_name(name)
+        volume_labels = validation.labels(dict(labels or {}))
         if kind not in ("nbd", "nfs"):
             raise InvalidArgument(f"volume type {kind[:20]!r} is not nbd or nfs")
         size = validation.size(size)
@@ -396,6 +412,7 @@ class StorageService:
                             fs_type=params.get("fs_type"),
                             squash=params.get("squash", "root_squash"),
                             parameters=params,
+                            labels=volume_labels,
                             source_snapshot_id=source_snapshot_id or None,
                             source_volume_id=source_volume_id or None,
                             state=VolumeState.CREATING,
@@ -589,6 +606,32 @@ class StorageService:
             self._close_journal(s, vol_id, OperationKind.EXPAND_VOLUME)
         log.info("volume %s expanded to %d bytes", vol_id, new_size)
 
+    def modify_volume(self, volume_id: str, parameters: dict[str, str]) -> VolumeInfo:
+        """Change mutable parameters; the exports follow from the catalog at once.
+
+        One catalog transaction is the whole intent: a crash after it leaves the
+        exports to the start-up reconciliation, which renders them from the catalog.
+        """
+        vol_id = validation.object_id(volume_id, "volume id")
+        with self._locks.hold(vol_id):
+            with self._decide, self.catalog.session() as s:
+                v = s.get(Volume, vol_id)
+                if v is None:
+                    raise NotFound(f"volume {vol_id} not found")
+                if v.state not in (VolumeState.READY, VolumeState.EXPANDING):
+                    raise FailedPrecondition(f"volume {vol_id} is {v.state.value}")
+                changes = validation.mutable_parameters(v.type.value, dict(parameters))
+                merged = {**(v.parameters or {}), **changes}
+                if v.type == VolumeType.NBD:
+                    merged = {k: val for k, val in merged.items() if val != "0"}
+                else:
+                    v.squash = changes["squash"]
+                v.parameters = merged
+            failpoint("modify.recorded")
+            self.apply_exports(vol_id)
+        log.info("volume %s modified: %s", vol_id, changes)
+        return self.get_volume(volume_id=vol_id)
+
     # ---------------------------------------------------------- snapshots
 
     def create_snapshot(self, name: str, source_volume_id: str) -> SnapshotInfo:
@@ -684,7 +727,12 @@ class StorageService:
     # ------------------------------------------------------- publications
 
     def publish_volume(
-        self, volume_id: str, node_id: str, node_address: str, read_only: bool
+        self,
+        volume_id: str,
+        node_id: str,
+        node_address: str,
+        read_only: bool,
+        multi_writer: bool = False,
     ) -> NfsTargetInfo | NbdTargetInfo:
         vol_id = validation.object_id(volume_id, "volume id")
         node = validation.node_id(node_id)
@@ -698,7 +746,11 @@ class StorageService:
                     raise FailedPrecondition(f"volume {vol_id} is {v.state.value}")
                 pub = get_publication(s, vol_id, node)
                 if pub is not None:
-                    if pub.read_only != read_only or pub.node_address != address:
+                    if (
+                        pub.read_only != read_only
+                        or pub.node_address != address
+                        or pub.multi_writer != multi_writer
+                    ):
                         raise AlreadyExists(
                             f"volume {vol_id} is published to {node} with other parameters"
                         )
@@ -708,7 +760,11 @@ class StorageService:
                         )
                 else:
                     if v.type == VolumeType.NBD and not read_only:
-                        writers = [p.node_id for p in publications_of(s, vol_id) if not p.read_only]
+                        writers = [
+                            p.node_id
+                            for p in publications_of(s, vol_id)
+                            if not p.read_only and not (multi_writer and p.multi_writer)
+                        ]
                         if writers:
                             raise FailedPrecondition(
                                 f"block volume {vol_id} is already published read-write to "
@@ -720,6 +776,7 @@ class StorageService:
                             node_id=node,
                             node_address=address,
                             read_only=read_only,
+                            multi_writer=multi_writer,
                             state=PublicationState.PUBLISHING,
                         )
                     )
@@ -803,6 +860,8 @@ class StorageService:
                 description=f"moorage volume {v.name} for node {p.node_id}",
                 allowed_clients=frozenset({ipaddress.ip_network(p.node_address)}),
                 tls_required=self.config.nbd_tls,
+                iops_limit=int((v.parameters or {}).get("iops_limit", 0)),
+                bandwidth_limit=int((v.parameters or {}).get("bandwidth_limit", 0)),
             )
             for p in pubs
             if p.state != PublicationState.UNPUBLISHING

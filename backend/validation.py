@@ -18,6 +18,14 @@ _ID = re.compile(r"^[0-9a-f]{32}$")
 FS_TYPES = ("xfs", "ext4")
 SQUASH = ("root_squash", "no_root_squash", "all_squash")
 NFS_PARAMETERS = {"fs_type", "squash"}
+NBD_PARAMETERS = {"iops_limit", "bandwidth_limit"}
+# What ModifyVolume may change, by volume type.
+MUTABLE = {"nbd": NBD_PARAMETERS, "nfs": {"squash"}}
+MAX_LIMIT = 10**12
+
+MAX_LABELS = 32
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$")
+MAX_LABEL_VALUE = 512
 
 
 def volume_name(name: str, what: str = "volume name") -> str:
@@ -59,12 +67,24 @@ def node_address(value: str) -> str:
         raise InvalidArgument(f"node address {value[:80]!r} is not an IP address") from e
 
 
+def _limit(key: str, value: str) -> str:
+    if not value.isascii() or not value.isdigit() or int(value) > MAX_LIMIT:
+        raise InvalidArgument(
+            f"{key} {value[:20]!r} is not a whole number between 0 (no limit) and {MAX_LIMIT}"
+        )
+    return str(int(value))
+
+
 def parameters(kind: str, params: dict[str, str]) -> dict[str, str]:
     """Check volume parameters for a type; fill defaults."""
     if kind == "nbd":
-        if params:
-            raise InvalidArgument(f"nbd volumes take no parameters, got {sorted(params)}")
-        return {}
+        unknown = set(params) - NBD_PARAMETERS
+        if unknown:
+            raise InvalidArgument(
+                f"unknown parameters {sorted(unknown)} for an nbd volume; "
+                f"known: {sorted(NBD_PARAMETERS)}"
+            )
+        return {k: _limit(k, v) for k, v in sorted(params.items())}
     unknown = set(params) - NFS_PARAMETERS
     if unknown:
         raise InvalidArgument(
@@ -77,3 +97,36 @@ def parameters(kind: str, params: dict[str, str]) -> dict[str, str]:
     if squash not in SQUASH:
         raise InvalidArgument(f"squash {squash[:20]!r} is not one of {SQUASH}")
     return {"fs_type": fs, "squash": squash}
+
+
+def mutable_parameters(kind: str, params: dict[str, str]) -> dict[str, str]:
+    """Check what ModifyVolume is asked to change for a volume of this type."""
+    if not params:
+        raise InvalidArgument("no parameters to modify")
+    fixed = set(params) - MUTABLE[kind]
+    if fixed:
+        raise InvalidArgument(
+            f"parameters {sorted(fixed)} of an {kind} volume cannot be changed; "
+            f"mutable: {sorted(MUTABLE[kind])}"
+        )
+    if kind == "nbd":
+        return parameters(kind, params)
+    squash = params["squash"]
+    if squash not in SQUASH:
+        raise InvalidArgument(f"squash {squash[:20]!r} is not one of {SQUASH}")
+    return {"squash": squash}
+
+
+def labels(values: dict[str, str]) -> dict[str, str]:
+    if len(values) > MAX_LABELS:
+        raise InvalidArgument(f"at most {MAX_LABELS} labels, got {len(values)}")
+    for key, value in values.items():
+        if not _LABEL_KEY.match(key):
+            raise InvalidArgument(
+                f"label key {key[:80]!r} is invalid: up to 253 letters, digits, '.', '_', '/', '-'"
+            )
+        if len(value) > MAX_LABEL_VALUE or not value.isprintable():
+            raise InvalidArgument(
+                f"label {key}: value must be printable and at most {MAX_LABEL_VALUE} characters"
+            )
+    return dict(sorted(values.items()))

@@ -7,6 +7,7 @@ connection that has it open.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections.abc import Iterable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import trio
 
 from nbd.constants import MAX_PAYLOAD, MAX_STRING
+from nbd.throttle import Throttle
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -53,6 +55,10 @@ class Export:
     allowed_clients: frozenset[IPNetwork] | None = None
     tls_required: bool = False
     min_block_size: int = 1
+    # Limits for the export as a whole, over all its connections (0: none).
+    # Changing only these keeps the export's connections open.
+    iops_limit: int = 0
+    bandwidth_limit: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -67,6 +73,17 @@ class Export:
             raise ExportError("minimum block size must be a power of two between 1 and 64 KiB")
         if MAX_PAYLOAD % mbs:
             raise ExportError("minimum block size must divide the maximum payload")
+        if self.iops_limit < 0 or self.bandwidth_limit < 0:
+            raise ExportError("I/O limits cannot be negative")
+
+    def same_but_limits(self, other: Export) -> bool:
+        """True when the two differ at most in their I/O limits."""
+        return (
+            dataclasses.replace(
+                self, iops_limit=other.iops_limit, bandwidth_limit=other.bandwidth_limit
+            )
+            == other
+        )
 
     def allows(self, address: IPAddress | None) -> bool:
         if self.allowed_clients is None:
@@ -81,6 +98,7 @@ class Export:
 @dataclass
 class _Entry:
     export: Export
+    throttle: Throttle
     connections: set[trio.CancelScope] = field(default_factory=set)
 
 
@@ -94,13 +112,19 @@ class ExportTable:
 
     def add(self, export: Export) -> None:
         """Add an export, or replace a different one of the same name (closing its
-        connections).  Adding an export identical to the one present changes nothing."""
+        connections).  Adding an export identical to the one present changes nothing;
+        one that differs only in its I/O limits applies them to the open connections."""
         current = self._entries.get(export.name)
         if current is not None:
             if current.export == export:
                 return
+            if current.export.same_but_limits(export):
+                current.export = export
+                current.throttle.configure(export.iops_limit, export.bandwidth_limit)
+                return
             self.remove(export.name)
-        self._entries[export.name] = _Entry(export)
+        throttle = Throttle(export.iops_limit, export.bandwidth_limit)
+        self._entries[export.name] = _Entry(export, throttle)
 
     def remove(self, name: str) -> bool:
         """Remove an export and close its open connections.  False if absent."""
@@ -135,16 +159,17 @@ class ExportTable:
             return None
         return export
 
-    def open_connection(self, export: Export, scope: trio.CancelScope) -> bool:
-        """Register a connection in transmission on ``export``.
+    def open_connection(self, export: Export, scope: trio.CancelScope) -> Throttle | None:
+        """Register a connection in transmission on ``export``; returns the
+        export's throttle, shared by all its connections.
 
-        Returns False if the export was removed or replaced meanwhile.
+        Returns None if the export was removed or replaced meanwhile.
         """
         entry = self._entries.get(export.name)
-        if entry is None or entry.export is not export:
-            return False
+        if entry is None or not entry.export.same_but_limits(export):
+            return None
         entry.connections.add(scope)
-        return True
+        return entry.throttle
 
     def close_connection(self, export: Export, scope: trio.CancelScope) -> None:
         entry = self._entries.get(export.name)

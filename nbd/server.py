@@ -192,10 +192,12 @@ class NBDServer:
         export = session.export
         tx = Transmission(transport, session, self.io_limiter, label, lambda: self.shutting_down)
         conn_scope = trio.CancelScope()
-        if not self.exports.open_connection(export, conn_scope):
+        throttle = self.exports.open_connection(export, conn_scope)
+        if throttle is None:
             session.image.close()
             log.info("%s: export %s went away during the handshake", label, export.name)
             return
+        tx.throttle = throttle
         self._transmitting.add(tx)
         log.info(
             "%s: serving export %s (%d bytes%s%s)",

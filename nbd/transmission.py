@@ -24,6 +24,7 @@ from nbd.codec import ProtocolError, Request
 from nbd.constants import MAX_PAYLOAD, Command, CommandFlag, Errno
 from nbd.handshake import BASE_ALLOCATION_ID, Session
 from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
+from nbd.throttle import Throttle
 from nbd.transport import Buffer, BufferPool, PeerClosed, ReplyQueue, Transport
 
 log = logging.getLogger("moorage.nbd")
@@ -133,6 +134,9 @@ class Transmission:
         self._awaiting_request = False
         self.requests = 0
         self.threaded = 0
+        # The export's I/O limits, shared with its other connections (set by
+        # the server once the connection is registered on the export).
+        self.throttle: Throttle | None = None
 
     def stop_reading(self) -> None:
         """Read no more requests; those already read still get their replies.
@@ -206,6 +210,9 @@ class Transmission:
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
+            if self.throttle is not None and not self.throttle.unlimited:
+                moved = req.length if req.type in (Command.READ, Command.WRITE) else 0
+                await self.throttle.admit(moved)
             # Bound the request data one connection holds in memory at once.
             cost = 0
             if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -150,6 +151,7 @@ class Volume(Base):
     fs_type: Mapped[FsType | None] = mapped_column(_string_enum(FsType))
     squash: Mapped[str] = mapped_column(String(32), default=DEFAULT_SQUASH)
     parameters: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    labels: Mapped[dict[str, str] | None] = mapped_column(JSON, default=dict)
     # Plain ids, not foreign keys: a clone outlives the snapshot or volume it came from.
     source_snapshot_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
     source_volume_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
@@ -197,6 +199,8 @@ class Publication(Base):
     node_id: Mapped[str] = mapped_column(String(128))
     node_address: Mapped[str] = mapped_column(String(64))
     read_only: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Several read-write publications of one nbd volume, when each asked for it.
+    multi_writer: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     state: Mapped[PublicationState] = mapped_column(
         _string_enum(PublicationState), default=PublicationState.PUBLISHING
     )

@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import pytest
@@ -626,6 +627,41 @@ class UnpublishScenario(Scenario):
         check_data(node, ctx.source)  # republishes: the data is still there
 
 
+class ModifyScenario(Scenario):
+    """One catalog transaction records the change; the exports follow at start."""
+
+    failpoints = ("modify.recorded",)
+    CHANGE: ClassVar[dict[str, dict[str, str]]] = {
+        "nbd": {"iops_limit": "5000", "bandwidth_limit": "104857600"},
+        "nfs": {"squash": "no_root_squash"},
+    }
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def act(self, c: BackendClient, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        c.modify_volume(ctx.source.id, self.CHANGE[self.kind])
+
+    def after_crash(self, node: BackendNode, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        with node.client() as c:
+            v = c.get_volume(volume_id=ctx.source.id)
+        for key, value in self.CHANGE[self.kind].items():
+            assert v.parameters[key] == value, v
+        if self.kind == "nfs":
+            texts = [p.read_text() for p in (node.data_dir / "ganesha" / "exports.d").iterdir()]
+            mine = [t for t in texts if f"/volumes/{v.name}" in t]
+            assert len(mine) == 1 and "Squash = no_root_squash;" in mine[0], mine
+
+    def retry(self, node: BackendNode, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        with node.client() as c:
+            v = c.modify_volume(ctx.source.id, self.CHANGE[self.kind])
+        assert v.state == "ready", v
+        check_data(node, ctx.source)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "create_nbd": CreateScenario("nbd"),
     "create_nfs": CreateScenario("nfs"),
@@ -644,6 +680,8 @@ SCENARIOS: dict[str, Scenario] = {
     "publish_nfs": PublishScenario("nfs"),
     "unpublish_nbd": UnpublishScenario("nbd"),
     "unpublish_nfs": UnpublishScenario("nfs"),
+    "modify_nbd": ModifyScenario("nbd"),
+    "modify_nfs": ModifyScenario("nfs"),
 }
 CASES = [(op, fp) for op, scenario in SCENARIOS.items() for fp in scenario.failpoints]
 
