@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "detach": ("moorage.attach_cmd", "detach", "command"),
     "mount": ("moorage.attach_cmd", "mount_app", "group"),
     "unmount": ("moorage.attach_cmd", "unmount", "command"),
+    "csi": ("moorage.csi_cmd", "app", "group"),
 }
 
 

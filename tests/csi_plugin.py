@@ -1,0 +1,111 @@
+"""A real ``moorage csi serve`` process for tests, and a gRPC client of its socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from csi.proto import csi_pb2_grpc as pb_grpc
+from tests.conftest import REPO
+
+
+def write_config(path: Path, storage_nodes: Sequence[dict[str, object]], node: str = "") -> Path:
+    """A TOML configuration: each storage node as a dict (topology a nested dict)."""
+    lines: list[str] = []
+    for sn in storage_nodes:
+        lines.append("[[storage_nodes]]")
+        for key, value in sn.items():
+            if key != "topology":
+                lines.append(f"{key} = {_toml(value)}")
+        topology = sn.get("topology") or {}
+        assert isinstance(topology, dict)
+        if topology:
+            lines.append("[storage_nodes.topology]")
+            lines += [f'"{k}" = {_toml(v)}' for k, v in topology.items()]
+    path.write_text("\n".join(lines) + "\n" + node)
+    return path
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)
+
+
+@dataclass
+class CsiPlugin:
+    root: Path
+    mode: str = "controller"
+    config: Path | None = None
+    node_id: str = "node-a"
+    node_address: str = "127.0.0.1"
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / f"csi-{self.mode}.sock"
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def log(self) -> Path:
+        return self.root / f"csi-{self.mode}.log"
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "moorage", "-v", "csi", "serve",
+            "--endpoint", self.endpoint, "--mode", self.mode,
+        ]  # fmt: skip
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
+        if self.mode != "controller":
+            argv += ["--node-id", self.node_id, "--node-address", self.node_address]
+        return argv + self.extra_args
+
+    def start(self, timeout: float = 30) -> CsiPlugin:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ)
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"plugin exited {self.proc.returncode}:\n{self.log_text()}")
+            if self.socket.exists():
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"plugin not serving after {timeout}s:\n{self.log_text()}")
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.endpoint)
+
+    def controller(self, channel: grpc.Channel) -> pb_grpc.ControllerStub:
+        return pb_grpc.ControllerStub(channel)  # type: ignore[no-untyped-call]
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
