@@ -8,7 +8,15 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard csi/proto/*.proto backend/proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: all demo test lint typecheck unit bench host proto clean
+# Tools built from Go modules, each pinned here and only here, built once into
+# a cache outside the tree (kept across clones; rebuilt only when missing).
+TOOLS_DIR ?= $(HOME)/.cache/moorage/tools
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+CSI_SANITY_VERSION := v5.4.0
+CSI_SANITY := $(TOOLS_DIR)/csi-sanity-$(CSI_SANITY_VERSION)/csi-sanity
+export MOORAGE_CSI_SANITY := $(CSI_SANITY)
+
+.PHONY: all demo test lint typecheck unit bench host proto tools clean
 
 all: test
 
@@ -27,6 +35,13 @@ $(INSTALLED): pyproject.toml | host
 
 proto: $(INSTALLED) $(STUBS)
 
+$(CSI_SANITY):
+	@test -x "$(GO)" || { echo "make: Go is needed to build csi-sanity (not found)"; exit 1; }
+	GOBIN=$(dir $@) GOFLAGS=-buildvcs=false $(GO) install \
+		github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$(CSI_SANITY_VERSION)
+
+tools: $(CSI_SANITY)
+
 demo: host proto
 	$(VENV)/bin/moorage demo
 
@@ -37,16 +52,16 @@ lint: proto
 typecheck: proto
 	$(VENV)/bin/mypy
 
-unit: proto
+unit: proto tools
 	$(PY) -m pytest -q
 
-test: host proto
+test: host proto tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
-bench: host proto
+bench: host proto tools
 	$(PY) -m pytest -q -p no:randomly tests/bench -o addopts="" -s
 
 clean:

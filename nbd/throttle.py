@@ -48,9 +48,11 @@ class _Bucket:
 
     def wait_for(self) -> float:
         """Seconds until the bucket is out of debt (0: now)."""
-        if not self.rate or self.tokens >= 0:
+        if not self.rate:
             return 0.0
-        return -self.tokens / self.rate
+        wait = -self.tokens / self.rate
+        # Under a microsecond is rounding in the refill arithmetic, not debt.
+        return wait if wait > 1e-6 else 0.0
 
 
 class Throttle:

@@ -1,0 +1,121 @@
+"""csi-sanity (kubernetes-csi/csi-test, built by ``make tools``) against the plugin.
+
+The controller runs in ``--mode controller`` and the node in ``--mode node``,
+as in Kubernetes, over a real storage node on a loop pool: one run with nbd
+volumes and one with nfs volumes, each with that type's mutable parameters.
+Every Identity and Controller spec must pass; the only ones allowed not to
+run are those for services and flags this plugin does not claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.backend_node import BackendNode, make_node
+from tests.csi_plugin import CsiPlugin, write_config
+
+ZONE = "topology.csi.moorage.dev/zone"
+NODE_SECTION = f'[node]\naddress = "127.0.0.1"\n[node.topology]\n"{ZONE}" = "a"\n'
+# Specs that may be skipped, and why: none of them is a capability we claim.
+ALLOWED_SKIPS = {
+    "should fail when publishing more volumes than the node max attach limit",  # opt-in flag
+}
+OUR_SERVICES = ("Identity Service", "[Controller Server]")
+
+
+def sanity_binary() -> Path:
+    path = os.environ.get("MOORAGE_CSI_SANITY")
+    assert path, "MOORAGE_CSI_SANITY is not set: run the tests through make (make test)"
+    assert os.access(path, os.X_OK), f"{path} is missing: make tools builds it"
+    return Path(path)
+
+
+@dataclass
+class Site:
+    root: Path
+    node: BackendNode
+    controller: CsiPlugin
+    plugin_node: CsiPlugin
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("sanity")
+    node = make_node(root / "sn")
+    plugins: list[CsiPlugin] = []
+    try:
+        node.start()
+        storage = [{"name": "sn-a", "address": node.address, "topology": {ZONE: "a"}}]
+        config = write_config(root / "csi.toml", storage, NODE_SECTION)
+        plugins.append(CsiPlugin(root, "controller", config).start())
+        plugins.append(CsiPlugin(root, "node", config).start())
+        yield Site(root, node, plugins[0], plugins[1])
+    finally:
+        for p in plugins:
+            p.stop()
+        node.teardown()
+
+
+def run_sanity(site: Site, name: str, parameters: str, mutable: str) -> list[dict[str, object]]:
+    work = site.root / name
+    work.mkdir()
+    (work / "params.yaml").write_text(parameters + "\n")
+    (work / "mutable.yaml").write_text(mutable + "\n")
+    report = work / "report.json"
+    argv = [
+        str(sanity_binary()),
+        "--csi.endpoint", site.plugin_node.endpoint,
+        "--csi.controllerendpoint", site.controller.endpoint,
+        "--csi.mountdir", str(work / "mnt"),
+        "--csi.stagingdir", str(work / "stage"),
+        "--csi.testvolumeparameters", str(work / "params.yaml"),
+        "--csi.testvolumemutableparameters", str(work / "mutable.yaml"),
+        "--csi.testvolumesize", str(64 << 20),
+        "--csi.testvolumeexpandsize", str(128 << 20),
+        "--ginkgo.focus", "Identity Service|Controller Server",
+        "--ginkgo.no-color",
+        "--ginkgo.json-report", str(report),
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (
+        f"csi-sanity failed:\n{result.stdout[-20000:]}\n{result.stderr[-3000:]}\n"
+        f"controller log:\n{site.controller.log_text()[-5000:]}"
+    )
+    specs: list[dict[str, object]] = []
+    for suite in json.loads(report.read_text()):
+        specs += suite["SpecReports"]
+    return specs
+
+
+def check_every_spec_of_ours_passed(specs: list[dict[str, object]]) -> None:
+    ours = [
+        s
+        for s in specs
+        if any(svc in " ".join(s.get("ContainerHierarchyTexts") or []) for svc in OUR_SERVICES)  # type: ignore[arg-type]
+    ]
+    assert len(ours) > 50, f"only {len(ours)} Identity/Controller specs in the report"
+    not_passed = [
+        (s["State"], s.get("LeafNodeText"))
+        for s in ours
+        if s["State"] != "passed"
+        and not (s["State"] == "skipped" and s.get("LeafNodeText") in ALLOWED_SKIPS)
+        and s["State"] != "pending"  # csi-test's own disabled (XIt) pagination spec
+    ]
+    assert not_passed == [], not_passed
+
+
+def test_csi_sanity_nbd_volumes(site: Site) -> None:
+    specs = run_sanity(site, "nbd", "type: nbd", "iopsLimit: '2000'\nbandwidthLimit: 100Mi")
+    check_every_spec_of_ours_passed(specs)
+
+
+def test_csi_sanity_nfs_volumes(site: Site) -> None:
+    specs = run_sanity(site, "nfs", "type: nfs\nnfsFsType: xfs", "squash: no_root_squash")
+    check_every_spec_of_ours_passed(specs)
