@@ -11,6 +11,14 @@ from backend.auth import BearerToken, read_token
 from backend.proto import backend_pb2 as pb
 from backend.proto import backend_pb2_grpc as pb_grpc
 
+# A storage node that restarts is reached again within a couple of seconds:
+# gRPC's default reconnect backoff grows to two minutes.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
 
 class BackendClient:
     def __init__(
@@ -46,9 +54,9 @@ class BackendClient:
                 creds = grpc.composite_channel_credentials(
                     creds, grpc.metadata_call_credentials(BearerToken(token))
                 )
-            self.channel = grpc.secure_channel(address, creds)
+            self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
         else:
-            self.channel = grpc.insecure_channel(address)
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             if token:
                 self._metadata = (("authorization", f"Bearer {token}"),)
         self.stub = pb_grpc.BackendStub(self.channel)  # type: ignore[no-untyped-call]

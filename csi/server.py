@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server
 
 from csi.errors import CsiError
 
@@ -142,7 +142,7 @@ def operations_histogram(registry: CollectorRegistry | None = None) -> Histogram
         "Duration of the CSI calls this plugin served, by method and status code.",
         ["driver_name", "method_name", "grpc_status_code"],
         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-        registry=registry,
+        registry=REGISTRY if registry is None else registry,
     )
 
 

@@ -7,17 +7,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.conftest import REPO
 
 
-def write_config(path: Path, storage_nodes: Sequence[dict[str, object]], node: str = "") -> Path:
+def write_config(path: Path, storage_nodes: Sequence[Mapping[str, object]], node: str = "") -> Path:
     """A TOML configuration: each storage node as a dict (topology a nested dict)."""
     lines: list[str] = []
     for sn in storage_nodes:
@@ -26,7 +27,7 @@ def write_config(path: Path, storage_nodes: Sequence[dict[str, object]], node: s
             if key != "topology":
                 lines.append(f"{key} = {_toml(value)}")
         topology = sn.get("topology") or {}
-        assert isinstance(topology, dict)
+        assert isinstance(topology, Mapping)
         if topology:
             lines.append("[storage_nodes.topology]")
             lines += [f'"{k}" = {_toml(v)}' for k, v in topology.items()]
@@ -83,10 +84,20 @@ class CsiPlugin:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"plugin exited {self.proc.returncode}:\n{self.log_text()}")
-            if self.socket.exists():
+            if self.socket.exists() and self.answers():
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"plugin not serving after {timeout}s:\n{self.log_text()}")
+
+    def answers(self) -> bool:
+        """True once the plugin answers GetPluginInfo on its socket."""
+        with grpc.insecure_channel(self.endpoint) as ch:
+            try:
+                stub = pb_grpc.IdentityStub(ch)  # type: ignore[no-untyped-call]
+                stub.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return True
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.endpoint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import TypeAlias
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from csi.proto import csi_pb2 as pb
 
 ZONE = "topology.csi.moorage.dev/zone"
 Mode = pb.VolumeCapability.AccessMode
+ModeValue: TypeAlias = pb.VolumeCapability.AccessMode.Mode
 
 
 # ------------------------------------------------------------ configuration
@@ -179,7 +181,7 @@ def test_mutable_parameters_by_volume_type() -> None:
 # ------------------------------------------------------------ capabilities
 
 
-def cap(mode: int, block: bool = False, fs: str = "") -> pb.VolumeCapability:
+def cap(mode: ModeValue, block: bool = False, fs: str = "") -> pb.VolumeCapability:
     if block:
         return pb.VolumeCapability(
             block=pb.VolumeCapability.BlockVolume(), access_mode=Mode(mode=mode)
@@ -219,12 +221,14 @@ def test_malformed_capabilities_are_invalid_argument() -> None:
     with pytest.raises(InvalidArgument, match="empty"):
         capabilities.check_present([])
     with pytest.raises(InvalidArgument, match="neither block nor mount"):
-        capabilities.check_present([pb.VolumeCapability(access_mode=Mode(mode=1))])
+        capabilities.check_present(
+            [pb.VolumeCapability(access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER))]
+        )
     with pytest.raises(InvalidArgument, match="no access mode"):
         capabilities.check_present([pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume())])
     flags = pb.VolumeCapability(
         mount=pb.VolumeCapability.MountVolume(mount_flags=["x"] * 65),
-        access_mode=Mode(mode=1),
+        access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
     )
     with pytest.raises(InvalidArgument, match="mount_flags"):
         capabilities.check_present([flags])

@@ -81,6 +81,8 @@ def test_raising_the_limit_releases_a_waiting_request_at_once() -> None:
             t.configure(0, 0)  # limit removed while it waits
         return start, done_at
 
+    start: float
+    done_at: float
     start, done_at = run(main)  # type: ignore[misc]
     assert done_at - start <= 0.05 + 0.1 + 0.001, (start, done_at)
 
