@@ -566,3 +566,41 @@ def test_listing_pages_across_storage_nodes(two: TwoNodes) -> None:
     assert sorted(seen) == sorted(everything)
     bad = pb.ListVolumesRequest(starting_token="sn-q/" + "0" * 32)
     assert code_of(lambda: two.csi.stub.ListVolumes(bad)) == grpc.StatusCode.ABORTED
+
+
+# ------------------------------------------------------------------ secrets
+
+
+def test_credentials_in_request_secrets_win_and_are_never_logged(tmp_path: Path) -> None:
+    token = "s3cret-token-" + "x" * 20
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    node = make_node(tmp_path / "sn")
+    node.listen = f"127.0.0.1:{free_port()}"
+    node.token_file = token_file
+    csi = None
+    try:
+        node.start()
+        # the configuration names no credentials: only the request's secrets carry them
+        csi = start_controller(tmp_path, [{"name": "sn-a", "address": node.listen}], [])
+        assert code_of(lambda: csi.create("no-secret")) == grpc.StatusCode.UNAUTHENTICATED
+        wrong = {"token": "w" * 32}
+        assert (
+            code_of(lambda: csi.create("wrong-secret", secrets=wrong))
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
+        vol = csi.create("with-secret", secrets={"token": token})
+        assert vol.volume_id.startswith("sn-a:")
+        bad = {"token": "short"}
+        assert (
+            code_of(lambda: csi.create("bad-secret", secrets=bad))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
+        log = csi.plugin.log_text()
+        assert "with-secret" in log and token not in log and "w" * 32 not in log
+    finally:
+        if csi is not None:
+            csi.channel.close()
+            csi.plugin.stop()
+        node.teardown()
