@@ -1,5 +1,9 @@
 """The CSI Controller service: volumes, snapshots and publications on the storage nodes.
 
+(Over 500 lines with a reason: one file per CSI service, as csi-driver-host-path
+has it; what the RPCs share lives beside it in ``requests``, ``messages``,
+``paging``, ``topology``, ``parameters`` and ``capabilities``.)
+
 The controller keeps no state: every id names its storage node
 (``csi/ids.py``), so any replica answers any call.  Each call that changes
 something holds its volume, snapshot or name for its duration; a concurrent
@@ -9,19 +13,15 @@ their status code (``csi/errors.py``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
-from google.protobuf import timestamp_pb2, wrappers_pb2
 
 from backend.proto import backend_pb2 as bpb
-from csi import capabilities, parameters, topology
+from csi import capabilities, messages, parameters, topology
 from csi.errors import (
-    Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -30,25 +30,17 @@ from csi.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from csi.ids import MAX_ID_BYTES, ObjectRef, parse_node_id, parse_object_id
+from csi.ids import ObjectRef, parse_node_id, parse_object_id
 from csi.locks import OperationLocks
+from csi.paging import paginate
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
+from csi.requests import MAX_SIZE, MIN_SIZE, backend_name, requested_size, require
 from csi.storagenodes import StorageNodes
 
 log = logging.getLogger("moorage.csi.controller")
 
-MIB = 1 << 20
-GIB = 1 << 30
-DEFAULT_SIZE = GIB
-MIN_SIZE = MIB
-MAX_SIZE = 64 << 40  # the storage node's own maximum
-MAX_NAME_BYTES = 256
-MAX_PAGE = 1000
-_BACKEND_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_LABEL = "csi.moorage.dev/name"
-_TYPE = {bpb.NBD: "nbd", bpb.NFS: "nfs"}
-_TYPE_PB = {"nbd": bpb.NBD, "nfs": bpb.NFS}
 
 RPC = pb.ControllerServiceCapability.RPC
 CAPABILITIES = (
@@ -69,72 +61,6 @@ CAPABILITIES = (
 )
 
 T = TypeVar("T")
-
-
-# ------------------------------------------------------------- helpers
-
-
-def backend_name(name: str, what: str = "name") -> str:
-    """The storage node's name for a CSI name: itself when it fits the storage
-    node's alphabet, else a digest of it (the same for every replica)."""
-    if not name:
-        raise InvalidArgument(f"{what} is empty")
-    if len(name.encode()) > MAX_NAME_BYTES:
-        raise InvalidArgument(f"{what} is longer than {MAX_NAME_BYTES} bytes")
-    if _BACKEND_NAME.match(name) and ".." not in name:
-        return name
-    return "csi-" + hashlib.sha256(name.encode()).hexdigest()[:60]
-
-
-def requested_size(cr: pb.CapacityRange | None) -> tuple[int, int]:
-    """(size to give, limit) for a capacity range; limit 0 is none."""
-    required = cr.required_bytes if cr is not None else 0
-    limit = cr.limit_bytes if cr is not None else 0
-    if required < 0 or limit < 0:
-        raise InvalidArgument("capacity_range bytes cannot be negative")
-    if limit and required > limit:
-        raise InvalidArgument(f"required_bytes {required} is above limit_bytes {limit}")
-    size = required or min(DEFAULT_SIZE, limit or DEFAULT_SIZE)
-    size = max(MIN_SIZE, -(-size // MIB) * MIB)  # the storage node's whole MiB
-    if limit and size > limit:
-        size = limit // MIB * MIB
-        if size < max(required, MIN_SIZE):
-            raise OutOfRange(
-                f"no whole-MiB size of at least {max(required, MIN_SIZE)} bytes fits under "
-                f"limit_bytes {limit}"
-            )
-    if size > MAX_SIZE:
-        raise OutOfRange(f"{size} bytes is above the maximum volume size {MAX_SIZE}")
-    return size, limit
-
-
-def _require(value: str, what: str) -> str:
-    if not value:
-        raise InvalidArgument(f"{what} is missing")
-    if len(value.encode()) > MAX_ID_BYTES * 2:
-        raise InvalidArgument(f"{what} is longer than {MAX_ID_BYTES * 2} bytes")
-    return value
-
-
-def _timestamp(unix: int) -> timestamp_pb2.Timestamp:
-    return timestamp_pb2.Timestamp(seconds=unix)
-
-
-class _Page:
-    """A listing token: the storage node to go on with and its own token there."""
-
-    @staticmethod
-    def parse(token: str, names: Sequence[str]) -> tuple[int, str]:
-        if not token:
-            return 0, ""
-        node, sep, rest = token.partition("/")
-        if not sep or node not in names or (rest and not re.fullmatch(r"[0-9a-f]{32}", rest)):
-            raise Aborted(f"starting_token {token[:80]!r} is not one this plugin gave out")
-        return names.index(node), rest
-
-    @staticmethod
-    def make(node: str, backend_token: str) -> str:
-        return f"{node}/{backend_token}"
 
 
 # ------------------------------------------------------------ the service
@@ -174,50 +100,8 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise NotFound(f"volume {ref} does not exist")
         return v
 
-    def _csi_volume(self, node: str, v: bpb.Volume) -> pb.Volume:
-        kind = _TYPE[v.type]
-        context = {"type": kind, "storageNode": node}
-        if kind == "nfs":
-            context["nfsFsType"] = v.fs_type
-        source = None
-        if v.source_snapshot_id:
-            source = pb.VolumeContentSource(
-                snapshot=pb.VolumeContentSource.SnapshotSource(
-                    snapshot_id=f"{node}:{v.source_snapshot_id}"
-                )
-            )
-        elif v.source_volume_id:
-            source = pb.VolumeContentSource(
-                volume=pb.VolumeContentSource.VolumeSource(volume_id=f"{node}:{v.source_volume_id}")
-            )
-        return pb.Volume(
-            volume_id=f"{node}:{v.id}",
-            capacity_bytes=v.size_bytes,
-            volume_context=context,
-            content_source=source,
-            accessible_topology=topology.accessible(self.nodes.get(node)),
-        )
-
-    @staticmethod
-    def _condition(v: bpb.Volume) -> pb.VolumeCondition:
-        if v.state in ("ready", "expanding"):
-            return pb.VolumeCondition(abnormal=False, message=f"volume is {v.state}")
-        return pb.VolumeCondition(
-            abnormal=True, message=f"volume is {v.state} on its storage node, not ready"
-        )
-
-    @staticmethod
-    def _published_node_ids(v: bpb.Volume) -> list[str]:
-        return [f"{p.node_id}@{p.node_address}" for p in v.publications]
-
-    def _csi_snapshot(self, node: str, s: bpb.Snapshot) -> pb.Snapshot:
-        return pb.Snapshot(
-            size_bytes=s.size_bytes,
-            snapshot_id=f"{node}:{s.id}",
-            source_volume_id=f"{node}:{s.source_volume_id}",
-            creation_time=_timestamp(s.created_unix),
-            ready_to_use=s.ready_to_use,
-        )
+    def _volume_message(self, node: str, v: bpb.Volume) -> pb.Volume:
+        return messages.volume(node, v, topology.accessible(self.nodes.get(node)))
 
     # -- capabilities
 
@@ -261,7 +145,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                         node, name, kind, v.size_bytes, create_params, source_ref,
                         source_kind, labels, secrets,
                     )  # fmt: skip
-                return pb.CreateVolumeResponse(volume=self._csi_volume(node, v))
+                return pb.CreateVolumeResponse(volume=self._volume_message(node, v))
             failures: list[str] = []
             order = self._placement(request, params, source_ref, size, secrets, failures)
             for node in order:
@@ -274,7 +158,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     failures.append(e.message)
                     continue
                 log.info("volume %s:%s (%s) created for %s", node, v.id, kind, request.name)
-                return pb.CreateVolumeResponse(volume=self._csi_volume(node, v))
+                return pb.CreateVolumeResponse(volume=self._volume_message(node, v))
             raise ResourceExhausted(
                 f"no storage node could create a {size}-byte {kind} volume: " + "; ".join(failures)
             )
@@ -321,8 +205,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         source_kind: str,
     ) -> None:
         problems = []
-        if _TYPE[v.type] != kind:
-            problems.append(f"it is an {_TYPE[v.type]} volume")
+        if messages.VOLUME_TYPES[v.type] != kind:
+            problems.append(f"it is an {messages.VOLUME_TYPES[v.type]} volume")
         if v.size_bytes < size or (limit and v.size_bytes > limit):
             problems.append(f"its size is {v.size_bytes} bytes")
         if dict(v.parameters) != dict(params):
@@ -343,43 +227,26 @@ class ControllerService(pb_grpc.ControllerServicer):
         secrets: Mapping[str, str],
         failures: list[str],
     ) -> list[str]:
-        """Storage nodes to try, best first: allowed by the topology, the
-        ``storageNode`` parameter and the content source; preferred segments
-        first, then the most available capacity."""
         requirement = (
             request.accessibility_requirements
             if request.HasField("accessibility_requirements")
             else None
         )
-        allowed = topology.candidates(self.nodes.config.storage_nodes, requirement)
         if params.storage_node is not None:
-            self.nodes.get(params.storage_node)
-            allowed = [n for n in allowed if n.name == params.storage_node]
-        if source is not None:  # a clone lives beside its source
-            allowed = [n for n in allowed if n.name == source.storage_node]
-        if not allowed:
+            self.nodes.get(params.storage_node)  # NOT_FOUND when not configured
+        pinned = source.storage_node if source is not None else params.storage_node
+        if source is not None and params.storage_node not in (None, source.storage_node):
             raise ResourceExhausted(
-                "no configured storage node satisfies the topology requirement"
-                + (f", storageNode {params.storage_node}" if params.storage_node else "")
-                + (f" and the content source on {source.storage_node}" if source else "")
+                f"storageNode {params.storage_node} is not {source.storage_node}, where the "
+                "content source is"
             )
-        preferred = [dict(t.segments) for t in (requirement.preferred if requirement else [])]
-        scored: list[tuple[int, int, int, str]] = []
-        for index, node in enumerate(allowed):
-            rank = next(
-                (i for i, seg in enumerate(preferred) if topology.allows(seg, node)),
-                len(preferred),
-            )
-            try:
-                available = self._call(node.name, lambda c: c.capacity(), secrets).available_bytes
-            except Unavailable as e:
-                failures.append(e.message)
-                continue
-            if available < size:
-                failures.append(f"storage node {node.name} has {available} bytes available")
-                continue
-            scored.append((rank, -available, index, node.name))
-        return [name for *_, name in sorted(scored)]
+
+        def available(node: str) -> int:
+            return int(self._call(node, lambda c: c.capacity(), secrets).available_bytes)
+
+        return topology.place(
+            self.nodes.config.storage_nodes, requirement, pinned, size, available, failures
+        )
 
     def _create_on(
         self,
@@ -394,7 +261,11 @@ class ControllerService(pb_grpc.ControllerServicer):
         secrets: Mapping[str, str],
     ) -> bpb.Volume:
         req = bpb.CreateVolumeRequest(
-            name=name, type=_TYPE_PB[kind], size_bytes=size, parameters=params, labels=labels
+            name=name,
+            type=messages.BACKEND_TYPES[kind],
+            size_bytes=size,
+            parameters=params,
+            labels=labels,
         )
         if source is not None:
             if source_kind == "snapshot":
@@ -407,7 +278,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def DeleteVolume(
         self, request: pb.DeleteVolumeRequest, context: grpc.ServicerContext
     ) -> pb.DeleteVolumeResponse:
-        volume_id = _require(request.volume_id, "volume_id")
+        volume_id = require(request.volume_id, "volume_id")
         ref = parse_object_id(volume_id)
         if ref is None:
             return pb.DeleteVolumeResponse()  # not an id of ours: no such volume
@@ -419,10 +290,10 @@ class ControllerService(pb_grpc.ControllerServicer):
     def ValidateVolumeCapabilities(
         self, request: pb.ValidateVolumeCapabilitiesRequest, context: grpc.ServicerContext
     ) -> pb.ValidateVolumeCapabilitiesResponse:
-        ref = self._ref(_require(request.volume_id, "volume_id"))
+        ref = self._ref(require(request.volume_id, "volume_id"))
         capabilities.check_present(request.volume_capabilities)
         v = self._volume(ref, request.secrets)
-        kind = _TYPE[v.type]
+        kind = messages.VOLUME_TYPES[v.type]
         reason = capabilities.unsupported(kind, request.volume_capabilities)
         if reason is None and request.parameters:
             try:
@@ -447,7 +318,6 @@ class ControllerService(pb_grpc.ControllerServicer):
     ) -> pb.ListVolumesResponse:
         if request.max_entries < 0:
             raise InvalidArgument("max_entries cannot be negative")
-        entries: list[pb.ListVolumesResponse.Entry] = []
 
         def page(node: str, limit: int, token: str) -> tuple[list[bpb.Volume], str]:
             r = self._call(node, lambda c: c.list_volumes(limit, token))
@@ -455,43 +325,17 @@ class ControllerService(pb_grpc.ControllerServicer):
 
         def entry(node: str, v: bpb.Volume) -> pb.ListVolumesResponse.Entry:
             return pb.ListVolumesResponse.Entry(
-                volume=self._csi_volume(node, v),
+                volume=self._volume_message(node, v),
                 status=pb.ListVolumesResponse.VolumeStatus(
-                    published_node_ids=self._published_node_ids(v),
-                    volume_condition=self._condition(v),
+                    published_node_ids=messages.published_node_ids(v),
+                    volume_condition=messages.condition(v),
                 ),
             )
 
-        next_token = self._paginate(
-            request.max_entries, request.starting_token, page, entry, entries
+        entries, next_token = paginate(
+            self.nodes.names, request.max_entries, request.starting_token, page, entry
         )
         return pb.ListVolumesResponse(entries=entries, next_token=next_token)
-
-    def _paginate(
-        self,
-        max_entries: int,
-        starting_token: str,
-        page: Callable[[str, int, str], tuple[list[T], str]],
-        convert: Callable[[str, T], object],
-        out: list,  # type: ignore[type-arg]
-    ) -> str:
-        """Walk the storage nodes in configuration order from the token's place."""
-        names = self.nodes.names
-        index, token = _Page.parse(starting_token, names)
-        want = max_entries or None
-        while index < len(names):
-            node = names[index]
-            limit = MAX_PAGE if want is None else min(MAX_PAGE, want - len(out))
-            items, token = page(node, limit, token)
-            out.extend(convert(node, item) for item in items)
-            if token:
-                if want is not None and len(out) >= want:
-                    return _Page.make(node, token)
-                continue
-            index += 1
-            if want is not None and len(out) >= want and index < len(names):
-                return _Page.make(names[index], "")
-        return ""
 
     def GetCapacity(
         self, request: pb.GetCapacityRequest, context: grpc.ServicerContext
@@ -521,8 +365,8 @@ class ControllerService(pb_grpc.ControllerServicer):
             largest = max(largest, available)
         return pb.GetCapacityResponse(
             available_capacity=total,
-            maximum_volume_size=_wrap(min(largest, MAX_SIZE)),
-            minimum_volume_size=_wrap(MIN_SIZE),
+            maximum_volume_size=messages.int64(min(largest, MAX_SIZE)),
+            minimum_volume_size=messages.int64(MIN_SIZE),
         )
 
     # -- publications
@@ -530,13 +374,13 @@ class ControllerService(pb_grpc.ControllerServicer):
     def ControllerPublishVolume(
         self, request: pb.ControllerPublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.ControllerPublishVolumeResponse:
-        volume_id = _require(request.volume_id, "volume_id")
-        node_id = _require(request.node_id, "node_id")
+        volume_id = require(request.volume_id, "volume_id")
+        node_id = require(request.node_id, "node_id")
         if not request.HasField("volume_capability"):
             raise InvalidArgument("volume_capability is missing")
         cap = request.volume_capability
         capabilities.check_present([cap])
-        external = _external_share(request.volume_context)
+        external = messages.external_share(request.volume_context)
         if external is not None:
             return pb.ControllerPublishVolumeResponse(publish_context=external)
         ref = self._ref(volume_id)
@@ -548,7 +392,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             )
         with self.locks.hold(str(ref)):
             v = self._volume(ref, request.secrets)
-            kind = _TYPE[v.type]
+            kind = messages.VOLUME_TYPES[v.type]
             reason = capabilities.unsupported(kind, [cap])
             if reason is not None:
                 raise InvalidArgument(reason)
@@ -569,12 +413,12 @@ class ControllerService(pb_grpc.ControllerServicer):
                 ),
                 request.secrets,
             )
-        return pb.ControllerPublishVolumeResponse(publish_context=_publish_context(target))
+        return pb.ControllerPublishVolumeResponse(publish_context=messages.publish_context(target))
 
     def ControllerUnpublishVolume(
         self, request: pb.ControllerUnpublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.ControllerUnpublishVolumeResponse:
-        volume_id = _require(request.volume_id, "volume_id")
+        volume_id = require(request.volume_id, "volume_id")
         ref = parse_object_id(volume_id)
         if ref is None:  # not ours (or an external share): nothing was published
             return pb.ControllerUnpublishVolumeResponse()
@@ -604,13 +448,13 @@ class ControllerService(pb_grpc.ControllerServicer):
     def ControllerExpandVolume(
         self, request: pb.ControllerExpandVolumeRequest, context: grpc.ServicerContext
     ) -> pb.ControllerExpandVolumeResponse:
-        ref = self._ref(_require(request.volume_id, "volume_id"))
+        ref = self._ref(require(request.volume_id, "volume_id"))
         if not request.HasField("capacity_range"):
             raise InvalidArgument("capacity_range is missing")
         size, limit = requested_size(request.capacity_range)
         with self.locks.hold(str(ref)):
             v = self._volume(ref, request.secrets)
-            kind = _TYPE[v.type]
+            kind = messages.VOLUME_TYPES[v.type]
             if request.HasField("volume_capability"):
                 reason = capabilities.unsupported(kind, [request.volume_capability])
                 if reason is not None:
@@ -632,23 +476,25 @@ class ControllerService(pb_grpc.ControllerServicer):
     def ControllerGetVolume(
         self, request: pb.ControllerGetVolumeRequest, context: grpc.ServicerContext
     ) -> pb.ControllerGetVolumeResponse:
-        ref = self._ref(_require(request.volume_id, "volume_id"))
+        ref = self._ref(require(request.volume_id, "volume_id"))
         v = self._volume(ref)
         return pb.ControllerGetVolumeResponse(
-            volume=self._csi_volume(ref.storage_node, v),
+            volume=self._volume_message(ref.storage_node, v),
             status=pb.ControllerGetVolumeResponse.VolumeStatus(
-                published_node_ids=self._published_node_ids(v),
-                volume_condition=self._condition(v),
+                published_node_ids=messages.published_node_ids(v),
+                volume_condition=messages.condition(v),
             ),
         )
 
     def ControllerModifyVolume(
         self, request: pb.ControllerModifyVolumeRequest, context: grpc.ServicerContext
     ) -> pb.ControllerModifyVolumeResponse:
-        ref = self._ref(_require(request.volume_id, "volume_id"))
+        ref = self._ref(require(request.volume_id, "volume_id"))
         with self.locks.hold(str(ref)):
             v = self._volume(ref, request.secrets)
-            changes = parameters.backend_mutable(_TYPE[v.type], request.mutable_parameters)
+            changes = parameters.backend_mutable(
+                messages.VOLUME_TYPES[v.type], request.mutable_parameters
+            )
             if not changes:  # nothing asked to change
                 return pb.ControllerModifyVolumeResponse()
             self._call(
@@ -664,7 +510,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.CreateSnapshotResponse:
-        source_id = _require(request.source_volume_id, "source_volume_id")
+        source_id = require(request.source_volume_id, "source_volume_id")
         name = backend_name(request.name, "snapshot name")
         if request.parameters:
             raise InvalidArgument(
@@ -680,12 +526,12 @@ class ControllerService(pb_grpc.ControllerServicer):
                 lambda c: c.create_snapshot(name, ref.backend_id),
                 request.secrets,
             )
-        return pb.CreateSnapshotResponse(snapshot=self._csi_snapshot(ref.storage_node, snap))
+        return pb.CreateSnapshotResponse(snapshot=messages.snapshot(ref.storage_node, snap))
 
     def DeleteSnapshot(
         self, request: pb.DeleteSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.DeleteSnapshotResponse:
-        snapshot_id = _require(request.snapshot_id, "snapshot_id")
+        snapshot_id = require(request.snapshot_id, "snapshot_id")
         ref = parse_object_id(snapshot_id)
         if ref is None:
             return pb.DeleteSnapshotResponse()
@@ -709,7 +555,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise InvalidArgument("max_entries cannot be negative")
 
         def entry(node: str, s: bpb.Snapshot) -> pb.ListSnapshotsResponse.Entry:
-            return pb.ListSnapshotsResponse.Entry(snapshot=self._csi_snapshot(node, s))
+            return pb.ListSnapshotsResponse.Entry(snapshot=messages.snapshot(node, s))
 
         if request.snapshot_id:
             ref = parse_object_id(request.snapshot_id)
@@ -722,24 +568,23 @@ class ControllerService(pb_grpc.ControllerServicer):
             ):
                 return pb.ListSnapshotsResponse()
             return pb.ListSnapshotsResponse(entries=[entry(ref.storage_node, found)])
-        entries: list[pb.ListSnapshotsResponse.Entry] = []
         if request.source_volume_id:
             src = parse_object_id(request.source_volume_id)
             if src is None or self.nodes.config.storage_node(src.storage_node) is None:
                 return pb.ListSnapshotsResponse()
-            _, token = _Page.parse(request.starting_token, [src.storage_node])
-            snaps, next_backend = self._snapshots_page(
-                src.storage_node, request.max_entries or MAX_PAGE, token, src.backend_id
-            )
-            entries = [entry(src.storage_node, s) for s in snaps]
-            next_token = _Page.make(src.storage_node, next_backend) if next_backend else ""
-            return pb.ListSnapshotsResponse(entries=entries, next_token=next_token)
-        next_token = self._paginate(
-            request.max_entries,
-            request.starting_token,
-            lambda node, limit, token: self._snapshots_page(node, limit, token),
-            entry,
-            entries,
+            names = [src.storage_node]  # a volume's snapshots live beside it
+
+            def page(node: str, limit: int, token: str) -> tuple[list[bpb.Snapshot], str]:
+                return self._snapshots_page(node, limit, token, src.backend_id)
+
+        else:
+            names = self.nodes.names
+
+            def page(node: str, limit: int, token: str) -> tuple[list[bpb.Snapshot], str]:
+                return self._snapshots_page(node, limit, token)
+
+        entries, next_token = paginate(
+            names, request.max_entries, request.starting_token, page, entry
         )
         return pb.ListSnapshotsResponse(entries=entries, next_token=next_token)
 
@@ -754,48 +599,11 @@ class ControllerService(pb_grpc.ControllerServicer):
     def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.GetSnapshotResponse:
-        ref = self._ref(_require(request.snapshot_id, "snapshot_id"), "snapshot")
+        ref = self._ref(require(request.snapshot_id, "snapshot_id"), "snapshot")
         found = self._find_snapshot(ref, request.secrets)
         if found is None:
             raise NotFound(f"snapshot {ref} does not exist")
-        return pb.GetSnapshotResponse(snapshot=self._csi_snapshot(ref.storage_node, found))
+        return pb.GetSnapshotResponse(snapshot=messages.snapshot(ref.storage_node, found))
 
 
 # ---------------------------------------------------------------- contexts
-
-
-def _wrap(value: int) -> wrappers_pb2.Int64Value:
-    return wrappers_pb2.Int64Value(value=value)
-
-
-def _external_share(context: Mapping[str, str]) -> dict[str, str] | None:
-    """A static PV naming an NFS share outside moorage (``server`` and ``share``
-    in its volumeAttributes, as for nfs.csi.k8s.io): nothing to publish."""
-    if "server" not in context and "share" not in context:
-        return None
-    server, share = context.get("server", ""), context.get("share", "")
-    if not server or not share.startswith("/"):
-        raise InvalidArgument(
-            "an external NFS share needs volumeAttributes server and share (an absolute path)"
-        )
-    return {"type": "nfs-external", "server": server, "exportPath": share}
-
-
-def _publish_context(target: bpb.PublishVolumeResponse) -> dict[str, str]:
-    if target.WhichOneof("target") == "nbd":
-        t = target.nbd
-        return {
-            "type": "nbd",
-            "host": t.host,
-            "port": str(t.port),
-            "exportName": t.export_name,
-            "tls": "true" if t.tls else "false",
-        }
-    n = target.nfs
-    return {
-        "type": "nfs",
-        "server": n.server,
-        "port": str(n.port),
-        "exportPath": n.export_path,
-        "mountPort": str(n.mount_port),
-    }

@@ -10,9 +10,10 @@ reachable from everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from csi.config import StorageNodeConfig
+from csi.errors import ResourceExhausted, Unavailable
 from csi.proto import csi_pb2 as pb
 
 
@@ -43,3 +44,38 @@ def candidates(
 
 def accessible(node: StorageNodeConfig) -> list[pb.Topology]:
     return [pb.Topology(segments=dict(node.topology))] if node.topology else []
+
+
+def place(
+    nodes: Sequence[StorageNodeConfig],
+    requirement: pb.TopologyRequirement | None,
+    pinned: str | None,
+    size: int,
+    available: Callable[[str], int],
+    failures: list[str],
+) -> list[str]:
+    """The storage nodes to try for a new volume, best first: allowed by the
+    topology requirement (and ``pinned``, when one must be used), those of
+    preferred segments first, then those with the most available capacity.
+    A storage node that cannot answer, or has too little room, is left out
+    with its reason added to ``failures``."""
+    allowed = [n for n in candidates(nodes, requirement) if pinned in (None, n.name)]
+    if not allowed:
+        raise ResourceExhausted(
+            "no configured storage node satisfies the topology requirement"
+            + (f" and is {pinned}" if pinned else "")
+        )
+    preferred = [dict(t.segments) for t in (requirement.preferred if requirement else [])]
+    scored: list[tuple[int, int, int, str]] = []
+    for index, node in enumerate(allowed):
+        rank = next((i for i, seg in enumerate(preferred) if allows(seg, node)), len(preferred))
+        try:
+            room = available(node.name)
+        except Unavailable as e:
+            failures.append(e.message)
+            continue
+        if room < size:
+            failures.append(f"storage node {node.name} has {room} bytes available")
+            continue
+        scored.append((rank, -room, index, node.name))
+    return [name for *_, name in sorted(scored)]

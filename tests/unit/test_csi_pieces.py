@@ -12,7 +12,6 @@ import pytest
 
 from csi import capabilities, parameters, topology
 from csi.config import ConfigError, StorageNodeConfig, load_config, parse_config
-from csi.controller import MIB, backend_name, requested_size
 from csi.errors import (
     Aborted,
     CsiError,
@@ -25,6 +24,7 @@ from csi.errors import (
 from csi.ids import ObjectRef, node_id, parse_node_id, parse_object_id
 from csi.locks import OperationLocks
 from csi.proto import csi_pb2 as pb
+from csi.requests import MIB, backend_name, requested_size
 
 ZONE = "topology.csi.moorage.dev/zone"
 Mode = pb.VolumeCapability.AccessMode
