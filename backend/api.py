@@ -214,6 +214,7 @@ class BackendServicer(pb_grpc.BackendServicer):
             request.node_address,
             request.read_only,
             request.multi_writer,
+            request.single_node,
         )
         if isinstance(target, NfsTargetInfo):
             return pb.PublishVolumeResponse(

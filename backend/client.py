@@ -137,6 +137,7 @@ class BackendClient:
         node_address: str,
         read_only: bool = False,
         multi_writer: bool = False,
+        single_node: bool = False,
     ) -> pb.PublishVolumeResponse:
         req = pb.PublishVolumeRequest(
             volume_id=volume_id,
@@ -144,6 +145,7 @@ class BackendClient:
             node_address=node_address,
             read_only=read_only,
             multi_writer=multi_writer,
+            single_node=single_node,
         )
         return self._call("PublishVolume", req)  # type: ignore[return-value]
 

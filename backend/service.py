@@ -733,7 +733,11 @@ class StorageService:
         node_address: str,
         read_only: bool,
         multi_writer: bool = False,
+        single_node: bool = False,
     ) -> NfsTargetInfo | NbdTargetInfo:
+        """Make the volume reachable by one node.  ``single_node``: refuse when
+        another node holds a publication (decided under the catalog lock, so two
+        callers racing for two nodes cannot both win)."""
         vol_id = validation.object_id(volume_id, "volume id")
         node = validation.node_id(node_id)
         address = validation.node_address(node_address)
@@ -759,6 +763,11 @@ class StorageService:
                             f"volume {vol_id} is being unpublished from {node}"
                         )
                 else:
+                    others = [p.node_id for p in publications_of(s, vol_id) if p.node_id != node]
+                    if single_node and others:
+                        raise FailedPrecondition(
+                            f"volume {vol_id} is single-node and already published to {others[0]}"
+                        )
                     if v.type == VolumeType.NBD and not read_only:
                         writers = [
                             p.node_id

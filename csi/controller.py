@@ -14,6 +14,8 @@ their status code (``csi/errors.py``).
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -23,7 +25,6 @@ from backend.proto import backend_pb2 as bpb
 from csi import capabilities, messages, parameters, topology
 from csi.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     OutOfRange,
@@ -61,6 +62,7 @@ CAPABILITIES = (
 )
 
 T = TypeVar("T")
+KNOWN_KINDS = 100_000  # volume id -> type, for publishes without a lookup
 
 
 # ------------------------------------------------------------ the service
@@ -70,6 +72,8 @@ class ControllerService(pb_grpc.ControllerServicer):
     def __init__(self, storage_nodes: StorageNodes) -> None:
         self.nodes = storage_nodes
         self.locks = OperationLocks()
+        self._kinds: OrderedDict[str, str] = OrderedDict()
+        self._kinds_lock = threading.Lock()
 
     # -- shared pieces
 
@@ -98,7 +102,21 @@ class ControllerService(pb_grpc.ControllerServicer):
         v = self._find_volume(ref, secrets)
         if v is None:
             raise NotFound(f"volume {ref} does not exist")
+        self._remember(str(ref), v)
         return v
+
+    def _remember(self, volume_id: str, v: bpb.Volume) -> None:
+        """A volume's type never changes: kept, so a publish needs no lookup."""
+        with self._kinds_lock:
+            self._kinds[volume_id] = messages.VOLUME_TYPES[v.type]
+            self._kinds.move_to_end(volume_id)
+            while len(self._kinds) > KNOWN_KINDS:
+                self._kinds.popitem(last=False)
+
+    def _kind(self, ref: ObjectRef, secrets: Mapping[str, str] | None = None) -> str:
+        with self._kinds_lock:
+            kind = self._kinds.get(str(ref))
+        return kind or messages.VOLUME_TYPES[self._volume(ref, secrets).type]
 
     def _volume_message(self, node: str, v: bpb.Volume) -> pb.Volume:
         return messages.volume(node, v, topology.accessible(self.nodes.get(node)))
@@ -136,6 +154,19 @@ class ControllerService(pb_grpc.ControllerServicer):
         if name != request.name:
             labels[NAME_LABEL] = request.name[:512]
         with self.locks.hold(f"name:{name}"):
+            sole = self._sole_storage_node(request, params, source_ref)
+            if sole is not None:
+                # One storage node: its own create is idempotent by name, so the
+                # lookup is needed only when it reports the name taken.
+                try:
+                    v = self._create_on(
+                        sole, name, kind, size, create_params, source_ref, source_kind,
+                        labels, secrets,
+                    )  # fmt: skip
+                    self._remember(f"{sole}:{v.id}", v)
+                    return pb.CreateVolumeResponse(volume=self._volume_message(sole, v))
+                except AlreadyExists:
+                    pass  # another size or parameters: compared below as the spec says
             found = self._existing(name, secrets)
             if found is not None:
                 node, v = found
@@ -158,10 +189,32 @@ class ControllerService(pb_grpc.ControllerServicer):
                     failures.append(e.message)
                     continue
                 log.info("volume %s:%s (%s) created for %s", node, v.id, kind, request.name)
+                self._remember(f"{node}:{v.id}", v)
                 return pb.CreateVolumeResponse(volume=self._volume_message(node, v))
             raise ResourceExhausted(
                 f"no storage node could create a {size}-byte {kind} volume: " + "; ".join(failures)
             )
+
+    def _sole_storage_node(
+        self,
+        request: pb.CreateVolumeRequest,
+        params: parameters.VolumeParameters,
+        source: ObjectRef | None,
+    ) -> str | None:
+        """The storage node, when only one is configured and the request allows it."""
+        if len(self.nodes.config.storage_nodes) != 1:
+            return None
+        requirement = (
+            request.accessibility_requirements
+            if request.HasField("accessibility_requirements")
+            else None
+        )
+        allowed = topology.candidates(self.nodes.config.storage_nodes, requirement)
+        if len(allowed) != 1:
+            return None
+        name = allowed[0].name
+        wanted = {params.storage_node, source.storage_node if source else None} - {None}
+        return name if wanted <= {name} else None
 
     def _content_source(self, request: pb.CreateVolumeRequest) -> tuple[ObjectRef | None, str]:
         if not request.HasField("volume_content_source"):
@@ -391,16 +444,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                 "node plugin reports it in NodeGetInfo"
             )
         with self.locks.hold(str(ref)):
-            v = self._volume(ref, request.secrets)
-            kind = messages.VOLUME_TYPES[v.type]
-            reason = capabilities.unsupported(kind, [cap])
+            reason = capabilities.unsupported(self._kind(ref, request.secrets), [cap])
             if reason is not None:
                 raise InvalidArgument(reason)
-            others = [p.node_id for p in v.publications if p.node_id != node.name]
-            if others and capabilities.is_single_node(cap):
-                raise FailedPrecondition(
-                    f"volume {ref} is single-node and already published to {others[0]}"
-                )
             read_only = request.readonly or cap.access_mode.mode in capabilities.READ_ONLY
             target = self._call(
                 ref.storage_node,
@@ -410,6 +456,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     node.address,
                     read_only,
                     multi_writer=capabilities.is_multi_writer(cap),
+                    single_node=capabilities.is_single_node(cap),
                 ),
                 request.secrets,
             )
