@@ -68,6 +68,14 @@ _EXPECTED_COMPONENTS: Final = frozenset({"DBUS"})
 _EXPECTED_MESSAGES: Final = ("krb5", "keytab", "default realm", "RADOS URLs")
 
 _RELOAD_DONE: Final = "Reread exports complete"
+# ganesha tells filesystems apart by UUID, which it asks libblkid for, and
+# libblkid trusts its cache file (/run/blkid/blkid.tab) for entries probed in
+# the last two seconds.  A pool reuses loop devices within seconds, so a
+# cached UUID can be a former filesystem's: two mounted filesystems then look
+# alike to ganesha, which drops one, and the export on it fails with
+# "resolve_posix_filesystem ... No such file or directory".  Without a cache
+# file libblkid reads every device afresh.
+GANESHA_ENV: Final = {"BLKID_FILE": "/dev/null"}
 _RELOAD_FAILED: Final = (
     "Error while parsing EXPORT entries",
     "Error while parsing new configuration file",
@@ -425,11 +433,12 @@ class GaneshaSupervisor:
                     f"its pid file would be {self.pid_file})"
                 )
 
-    async def _spawn(self, name: str, argv: list[str]) -> _Child:
+    async def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         assert self._nursery is not None
         try:
             process = await trio.lowlevel.open_process(
                 argv,
+                env={**os.environ, **env} if env else None,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -456,7 +465,7 @@ class GaneshaSupervisor:
         ]
         # this process reads the files as they are now: it covers every reload asked so far
         covering = self._requested
-        child = await self._spawn("ganesha.nfsd", argv)
+        child = await self._spawn("ganesha.nfsd", argv, GANESHA_ENV)
         self._ganesha = child
         try:
             await self._wait_ready(child)
