@@ -33,7 +33,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
@@ -380,6 +380,51 @@ def detach_block(device_or_uri: str, state_dir: str | os.PathLike[str]) -> None:
         _detach_fuse(device_or_uri, state_dir)
 
 
+def refresh_block(uri: str, state_dir: str | os.PathLike[str], timeout: float = 30.0) -> int:
+    """After the export grew: make its device as large; the new size in bytes."""
+    found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
+    if not found:
+        raise AttachError(f"{uri} is not attached on this node")
+    a = found[0]
+    if a.path == "kernel-nbd":
+        try:
+            negotiated = nbd_client.connect_uri(uri, timeout)
+        except (OSError, ValueError, nbd_client.HandshakeError) as e:
+            raise AttachError(f"connecting to {uri} to read its size failed: {e}") from e
+        negotiated.sock.close()
+        try:
+            nbd_kernel.resize_kernel(a.device, negotiated.size, backend_identifier=uri)
+        except nbd_kernel.KernelNBDError as e:
+            raise AttachError(f"resizing {a.device} failed: {e}") from e
+        return negotiated.size
+    from fuse import blockdev
+
+    attachment = next(x for x in blockdev.list_attachments(state_dir) if x.uri == uri)
+    try:
+        return blockdev.refresh_size(attachment)
+    except (OSError, RuntimeError) as e:
+        raise AttachError(f"refreshing {a.device} failed: {e}") from e
+
+
+def block_attachment_problem(uri: str, state_dir: str | os.PathLike[str]) -> str | None:
+    """Why the attachment of ``uri`` does not work (None: it does)."""
+    found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
+    if not found:
+        return f"{uri} is not attached on this node"
+    a = found[0]
+    if a.path == "kernel-nbd":
+        return None if _kernel_connected(a.device) else f"{a.device} lost its NBD connection"
+    from fuse import blockdev
+
+    for x in blockdev.list_attachments(state_dir):
+        if x.uri == uri and not blockdev.is_healthy(x):
+            return (
+                f"the FUSE block file process of {a.device} (pid {x.pid}) is dead or its "
+                "mount is gone: unstage and stage the volume again"
+            )
+    return None
+
+
 # ------------------------------------------------------------------ NFS
 
 
@@ -408,11 +453,14 @@ def mount_nfs_export(
     plan: Plan,
     read_only: bool = False,
     log_file: Path | None = None,
+    options: Sequence[str] = (),
 ) -> None:
     """Mount ``server:path`` on ``target`` by the plan's NFS path.
 
-    kernel-nfs: ``mount -t nfs4 -o port=PORT,vers=4.1[,ro] SERVER:PATH TARGET``
-    (``mount_port`` is not used by NFSv4).  fuse-nfs: ``fuse.nfsmount`` in a
+    kernel-nfs: ``mount -t nfs4 -o port=PORT,vers=4.1[,ro],OPTIONS SERVER:PATH
+    TARGET`` (``mount_port`` is not used by NFSv4; an ``nfsvers``/``vers`` in
+    ``options`` replaces the 4.1).  The FUSE path takes no options: the
+    caller decides which it can honour.  fuse-nfs: ``fuse.nfsmount`` in a
     process of its own (NFSv3; ``mount_port`` None asks the portmapper),
     made read-only per mount when asked; that process inherits this one's
     stderr (its log) and working directory.  The same export already mounted
@@ -433,8 +481,15 @@ def mount_nfs_export(
             mounts.set_read_only(target_path, read_only)
         return
     if plan.nfs == "kernel-nfs":
-        options = [f"port={port}", "vers=4.1", *(["ro"] if read_only else [])]
-        mounts.mount(f"{server}:{path}", target_path, "nfs4", options)
+        extra = [o for o in mounts.validate_options(options) if o not in ("ro", "rw")]
+        versioned = any(o.startswith(("vers=", "nfsvers=")) for o in extra)
+        kernel_options = [
+            f"port={port}",
+            *([] if versioned else ["vers=4.1"]),
+            *extra,
+            *(["ro"] if read_only else []),
+        ]
+        mounts.mount(f"{server}:{path}", target_path, "nfs4", kernel_options)
         return
     from fuse import nfsmount
 
@@ -479,9 +534,11 @@ __all__ = [
     "PathUnavailable",
     "Plan",
     "attach_block",
+    "block_attachment_problem",
     "detach_block",
     "list_block_attachments",
     "mount_nfs_export",
     "probe",
+    "refresh_block",
     "unmount_nfs",
 ]

@@ -271,6 +271,11 @@ def _start_blockfile(
 # ------------------------------------------------------------------ attach, detach
 
 
+def is_healthy(attachment: Attachment) -> bool:
+    """Its process alive, its FUSE file mounted, and the loop device on that file."""
+    return _healthy(attachment)
+
+
 def _healthy(attachment: Attachment) -> bool:
     return (
         _alive(attachment.pid, attachment.pid_start)

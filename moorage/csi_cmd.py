@@ -52,6 +52,12 @@ def serve(
     metrics_address: str | None = typer.Option(
         None, "--metrics-address", help="Serve Prometheus metrics on HOST:PORT."
     ),
+    state_dir: Path = typer.Option(
+        Path("/var/lib/moorage-csi"),
+        "--state-dir",
+        envvar="MOORAGE_CSI_STATE_DIR",
+        help="Node mode: what is staged and attached, kept across restarts.",
+    ),
 ) -> None:
     """Serve the CSI plugin until SIGTERM or SIGINT."""
     from csi.config import ConfigError, PluginConfig, load_config
@@ -88,10 +94,9 @@ def serve(
         if not node_id or not address:
             raise _fail(f"--mode {mode} needs --node-id and --node-address (or node.address)")
         try:
-            services.append(
-                (pb_grpc.add_NodeServicer_to_server, NodeService(node_id, address, config.node))
-            )
-        except ValueError as e:
+            node = NodeService(node_id, address, config.node, state_dir)
+            services.append((pb_grpc.add_NodeServicer_to_server, node))
+        except (ValueError, OSError) as e:
             raise _fail(str(e)) from None
 
     def add(server: grpc.Server) -> None:

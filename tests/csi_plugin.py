@@ -71,6 +71,9 @@ class CsiPlugin:
         if self.config is not None:
             argv += ["--config", str(self.config)]
         if self.mode != "controller":
+            # node mode keeps its state in the test's directory unless told otherwise
+            if "--state-dir" not in self.extra_args:
+                argv += ["--state-dir", str(self.root / f"state-{self.mode}")]
             argv += ["--node-id", self.node_id, "--node-address", self.node_address]
         return argv + self.extra_args
 

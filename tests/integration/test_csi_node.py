@@ -1,0 +1,282 @@
+"""The CSI node service on kubelet's own paths, under a temporary root.
+
+A real storage node on a loop pool, the plugin in ``--mode all`` over its
+unix socket, and the calls kubelet makes, in kubelet's order, on kubelet's
+paths (global mount under ``plugins/kubernetes.io/csi/csi.moorage.dev/<sha256
+of the volume handle>/globalmount``, pod targets under
+``pods/<uid>/volumes/kubernetes.io~csi/<pv>/mount``, raw block under
+``plugins/kubernetes.io/csi/volumeDevices/``): Create → ControllerPublish →
+Stage → Publish into two pods → write in one, read in the other → Unpublish →
+Unstage → ControllerUnpublish → Delete, the mount table checked at each step.
+Here the block path is the FUSE block file + loop device and the NFS path the
+FUSE NFS mount (this kernel has neither nbd nor an NFS client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi import attach, mounts
+from csi.proto import csi_pb2 as pb
+from csi.proto import csi_pb2_grpc as pb_grpc
+from tests.backend_node import BackendNode, make_node
+from tests.csi_plugin import CsiPlugin, write_config
+
+Mode = pb.VolumeCapability.AccessMode
+MIB = 1 << 20
+DRIVER = "csi.moorage.dev"
+
+
+@dataclass
+class Kubelet:
+    """kubelet's paths under ``root`` (its --root-dir)."""
+
+    root: Path
+
+    def global_mount(self, handle: str) -> Path:
+        digest = hashlib.sha256(handle.encode()).hexdigest()
+        return self.root / "plugins/kubernetes.io/csi" / DRIVER / digest / "globalmount"
+
+    def pod_target(self, pod: str, pv: str) -> Path:
+        return self.root / "pods" / pod / "volumes/kubernetes.io~csi" / pv / "mount"
+
+    def block_staging(self, pv: str) -> Path:
+        return self.root / "plugins/kubernetes.io/csi/volumeDevices/staging" / pv
+
+    def block_target(self, pod: str, pv: str) -> Path:
+        return self.root / "plugins/kubernetes.io/csi/volumeDevices/publish" / pv / pod
+
+
+@dataclass
+class Site:
+    node: BackendNode
+    plugin: CsiPlugin
+    controller: pb_grpc.ControllerStub
+    nodes: pb_grpc.NodeStub
+    kubelet: Kubelet
+    state_dir: Path
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("csi-node")
+    node = make_node(root / "sn")
+    plugin = None
+    try:
+        node.start()
+        config = write_config(root / "csi.toml", [{"name": "sn-a", "address": node.address}])
+        state_dir = root / "state"
+        plugin = CsiPlugin(
+            root, "all", config, node_id="worker-1", extra_args=["--state-dir", str(state_dir)]
+        ).start()
+        with plugin.channel() as channel:
+            yield Site(
+                node,
+                plugin,
+                pb_grpc.ControllerStub(channel),  # type: ignore[no-untyped-call]
+                pb_grpc.NodeStub(channel),  # type: ignore[no-untyped-call]
+                Kubelet(root / "kubelet"),
+                state_dir,
+            )
+    finally:
+        if plugin is not None:
+            plugin.stop()
+        node.teardown()
+        leftover_mounts = [
+            e.mount_point for e in mounts.mount_entries() if str(root) in e.mount_point
+        ]
+        assert not leftover_mounts, leftover_mounts
+
+
+def mount_cap(mode: pb.VolumeCapability.AccessMode.Mode, fs: str = "") -> pb.VolumeCapability:
+    return pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(fs_type=fs), access_mode=Mode(mode=mode)
+    )
+
+
+def block_cap(mode: pb.VolumeCapability.AccessMode.Mode) -> pb.VolumeCapability:
+    return pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume(), access_mode=Mode(mode=mode))
+
+
+def mounted_at(path: Path) -> int:
+    return sum(1 for e in mounts.mount_entries() if e.mount_point == str(path))
+
+
+CASES = {
+    "nbd-ext4": ("nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB),
+    "nbd-xfs": ("nbd", mount_cap(Mode.SINGLE_NODE_MULTI_WRITER, "xfs"), 320 * MIB),
+    "nbd-raw-block": ("nbd", block_cap(Mode.SINGLE_NODE_WRITER), 16 * MIB),
+    "nfs-rwx": ("nfs", mount_cap(Mode.MULTI_NODE_MULTI_WRITER), 64 * MIB),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_volume_lifecycle_on_kubelets_paths(site: Site, case: str) -> None:
+    kind, cap, size = CASES[case]
+    block = cap.WhichOneof("access_type") == "block"
+    pv = f"pvc-{uuid.uuid4()}"
+    pods = [str(uuid.uuid4()), str(uuid.uuid4())]
+    info = site.nodes.NodeGetInfo(pb.NodeGetInfoRequest())
+    vol = site.controller.CreateVolume(
+        pb.CreateVolumeRequest(
+            name=pv,
+            capacity_range=pb.CapacityRange(required_bytes=size),
+            volume_capabilities=[cap],
+            parameters={"type": kind},
+        )
+    ).volume
+    handle = vol.volume_id
+    ctx = site.controller.ControllerPublishVolume(
+        pb.ControllerPublishVolumeRequest(
+            volume_id=handle, node_id=info.node_id, volume_capability=cap
+        )
+    ).publish_context
+    staging = site.kubelet.block_staging(pv) if block else site.kubelet.global_mount(handle)
+    staging.mkdir(parents=True, exist_ok=True)  # kubelet makes the staging directory
+    targets = [
+        site.kubelet.block_target(p, pv) if block else site.kubelet.pod_target(p, pv) for p in pods
+    ]
+    try:
+        check_lifecycle(site, handle, vol, ctx, cap, size, block, staging, pods, targets)
+    finally:  # whatever failed, leave nothing mounted or attached for the next case
+        for target in targets:
+            with contextlib.suppress(grpc.RpcError):
+                site.nodes.NodeUnpublishVolume(
+                    pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target))
+                )
+        with contextlib.suppress(grpc.RpcError):
+            site.nodes.NodeUnstageVolume(
+                pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging))
+            )
+        site.controller.ControllerUnpublishVolume(
+            pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=info.node_id)
+        )
+        site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle))
+
+
+def check_lifecycle(
+    site: Site,
+    handle: str,
+    vol: pb.Volume,
+    ctx: Mapping[str, str],
+    cap: pb.VolumeCapability,
+    size: int,
+    block: bool,
+    staging: Path,
+    pods: list[str],
+    targets: list[Path],
+) -> None:
+    stage_req = pb.NodeStageVolumeRequest(
+        volume_id=handle,
+        publish_context=ctx,
+        staging_target_path=str(staging),
+        volume_capability=cap,
+        volume_context=vol.volume_context,
+    )
+    site.nodes.NodeStageVolume(stage_req)
+    site.nodes.NodeStageVolume(stage_req)  # idempotent
+    staged_at = staging / "device" if block else staging
+    assert mounted_at(staged_at) == 1
+
+    for pod, target in zip(pods, targets, strict=True):
+        req = pb.NodePublishVolumeRequest(
+            volume_id=handle,
+            publish_context=ctx,
+            staging_target_path=str(staging),
+            target_path=str(target),
+            volume_capability=cap,
+            volume_context={
+                **vol.volume_context,
+                "csi.storage.k8s.io/pod.name": f"app-{pod[:8]}",
+                "csi.storage.k8s.io/pod.namespace": "default",
+                "csi.storage.k8s.io/pod.uid": pod,
+            },
+        )
+        site.nodes.NodePublishVolume(req)
+        site.nodes.NodePublishVolume(req)  # idempotent
+        assert mounted_at(target) == 1
+    # one global mount, one bind per pod
+    assert mounted_at(staged_at) == 1
+
+    payload = os.urandom(64 * 1024)
+    if block:
+        fd = os.open(targets[0], os.O_WRONLY)
+        try:
+            os.pwrite(fd, payload, 4 * MIB)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(targets[1], os.O_RDONLY)
+        try:
+            assert os.pread(fd, len(payload), 4 * MIB) == payload
+        finally:
+            os.close(fd)
+    else:
+        (targets[0] / "written-in-pod-1").write_bytes(payload)
+        assert (targets[1] / "written-in-pod-1").read_bytes() == payload
+
+    stats = site.nodes.NodeGetVolumeStats(
+        pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(targets[1]))
+    )
+    assert not stats.volume_condition.abnormal, stats.volume_condition.message
+    total = {u.unit: u.total for u in stats.usage}
+    # a filesystem's metadata takes some of a block device; an NFS volume's own
+    # filesystem is at least what was asked for (xfs images are 300 MiB or more)
+    if block:
+        assert total[pb.VolumeUsage.BYTES] == size, stats
+    elif vol.volume_context["type"] == "nbd":
+        assert size * 8 // 10 <= total[pb.VolumeUsage.BYTES] <= size, stats
+    else:
+        assert total[pb.VolumeUsage.BYTES] >= size, stats
+    if not block:
+        assert total[pb.VolumeUsage.INODES] > 0
+
+    for target in targets:
+        unpublish = pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target))
+        site.nodes.NodeUnpublishVolume(unpublish)
+        site.nodes.NodeUnpublishVolume(unpublish)  # idempotent
+        assert mounted_at(target) == 0 and not target.exists()
+    unstage = pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging))
+    site.nodes.NodeUnstageVolume(unstage)
+    site.nodes.NodeUnstageVolume(unstage)  # idempotent
+    assert mounted_at(staged_at) == 0
+    assert attach.list_block_attachments(site.state_dir / "attach") == []
+
+
+def test_publish_before_stage_and_bad_paths_are_refused(site: Site) -> None:
+    cap = mount_cap(Mode.SINGLE_NODE_WRITER)
+    with pytest.raises(grpc.RpcError) as e:
+        site.nodes.NodePublishVolume(
+            pb.NodePublishVolumeRequest(
+                volume_id="sn-a:" + "0" * 32,
+                staging_target_path=str(site.kubelet.root / "nowhere"),
+                target_path=str(site.kubelet.root / "pod"),
+                volume_capability=cap,
+            )
+        )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for bad in ("relative/path", ""):
+        with pytest.raises(grpc.RpcError) as e:
+            site.nodes.NodeStageVolume(
+                pb.NodeStageVolumeRequest(
+                    volume_id="sn-a:" + "0" * 32,
+                    staging_target_path=bad,
+                    volume_capability=cap,
+                    publish_context={"type": "nbd", "host": "127.0.0.1", "port": "1"},
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        site.nodes.NodeGetVolumeStats(
+            pb.NodeGetVolumeStatsRequest(volume_id="sn-a:" + "0" * 32, volume_path="/tmp")
+        )
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
