@@ -303,15 +303,18 @@ class NodeService(pb_grpc.NodeServicer):
 
     # -- stats and expansion
 
-    def _record_at(self, volume_id: str, path: Path) -> StagedVolume:
+    def _record_at(self, volume_id: str, volume_path: str) -> tuple[StagedVolume, Path]:
         record = self.state.get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} is not staged on this node")
+        if not volume_path.startswith("/"):  # kubelet's paths are absolute: none of ours
+            raise NotFound(f"volume {volume_id} is not at {volume_path[:140]!r}")
+        path = _absolute(volume_path, "volume_path")
         if str(path) != record.staging_path and str(path) not in record.published:
             raise NotFound(f"volume {volume_id} is neither staged nor published at {path}")
         if not path.exists():
             raise NotFound(f"{path} does not exist")
-        return record
+        return record, path
 
     def _problem(self, record: StagedVolume, path: Path) -> str | None:
         if record.uri:
@@ -329,8 +332,9 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.ServicerContext
     ) -> pb.NodeGetVolumeStatsResponse:
         volume_id = _require(request.volume_id, "volume_id")
-        path = _absolute(request.volume_path, "volume_path")
-        record = self._record_at(volume_id, path)
+        if not request.volume_path:
+            raise InvalidArgument("volume_path is missing")
+        record, path = self._record_at(volume_id, request.volume_path)
         problem = self._problem(record, path)
         usage: list[pb.VolumeUsage] = []
         if problem is None:
@@ -345,9 +349,10 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeExpandVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodeExpandVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
-        path = _absolute(request.volume_path, "volume_path")
+        if not request.volume_path:
+            raise InvalidArgument("volume_path is missing")
         with self.locks.hold(volume_id):
-            record = self._record_at(volume_id, path)
+            record, path = self._record_at(volume_id, request.volume_path)
             if record.kind != "nbd":  # the storage node grew the NFS volume's filesystem
                 st = os.statvfs(path)
                 return pb.NodeExpandVolumeResponse(capacity_bytes=st.f_blocks * st.f_frsize)

@@ -43,6 +43,7 @@ class Site:
     node: BackendNode
     controller: CsiPlugin
     plugin_node: CsiPlugin
+    plugin_all: CsiPlugin
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +57,21 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         config = write_config(root / "csi.toml", storage, NODE_SECTION)
         plugins.append(CsiPlugin(root, "controller", config).start())
         plugins.append(CsiPlugin(root, "node", config).start())
-        yield Site(root, node, plugins[0], plugins[1])
+        plugins.append(CsiPlugin(root, "all", config).start())
+        yield Site(root, node, *plugins)
     finally:
         for p in plugins:
             p.stop()
         node.teardown()
 
 
-def run_sanity(site: Site, name: str, parameters: str, mutable: str) -> list[dict[str, object]]:
+def run_sanity(
+    site: Site, name: str, parameters: str, mutable: str, node_specs: bool = False
+) -> list[dict[str, object]]:
+    """Identity and Controller specs against the controller and node plugins as
+    Kubernetes runs them; with ``node_specs``, the Node specs against one plugin
+    in ``all`` mode (csi-sanity publishes through the controller only when the
+    endpoint it stages on also claims the controller service)."""
     work = site.root / name
     work.mkdir()
     (work / "params.yaml").write_text(parameters + "\n")
@@ -71,15 +79,21 @@ def run_sanity(site: Site, name: str, parameters: str, mutable: str) -> list[dic
     report = work / "report.json"
     argv = [
         str(sanity_binary()),
-        "--csi.endpoint", site.plugin_node.endpoint,
-        "--csi.controllerendpoint", site.controller.endpoint,
+        *(
+            ["--csi.endpoint", site.plugin_all.endpoint, "--ginkgo.focus", "Node Service"]
+            if node_specs
+            else [
+                "--csi.endpoint", site.plugin_node.endpoint,
+                "--csi.controllerendpoint", site.controller.endpoint,
+                "--ginkgo.skip", "Node Service",
+            ]
+        ),
         "--csi.mountdir", str(work / "mnt"),
         "--csi.stagingdir", str(work / "stage"),
         "--csi.testvolumeparameters", str(work / "params.yaml"),
         "--csi.testvolumemutableparameters", str(work / "mutable.yaml"),
         "--csi.testvolumesize", str(64 << 20),
         "--csi.testvolumeexpandsize", str(128 << 20),
-        "--ginkgo.focus", "Identity Service|Controller Server",
         "--ginkgo.no-color",
         "--ginkgo.json-report", str(report),
     ]  # fmt: skip
@@ -94,13 +108,15 @@ def run_sanity(site: Site, name: str, parameters: str, mutable: str) -> list[dic
     return specs
 
 
-def check_every_spec_of_ours_passed(specs: list[dict[str, object]]) -> None:
+def check_every_spec_of_ours_passed(
+    specs: list[dict[str, object]], services: tuple[str, ...] = OUR_SERVICES, least: int = 50
+) -> None:
     ours = [
         s
         for s in specs
-        if any(svc in " ".join(s.get("ContainerHierarchyTexts") or []) for svc in OUR_SERVICES)  # type: ignore[arg-type]
+        if any(svc in " ".join(s.get("ContainerHierarchyTexts") or []) for svc in services)  # type: ignore[arg-type]
     ]
-    assert len(ours) > 50, f"only {len(ours)} Identity/Controller specs in the report"
+    assert len(ours) >= least, f"only {len(ours)} {services} specs in the report"
     not_passed = [
         (s["State"], s.get("LeafNodeText"))
         for s in ours
@@ -119,3 +135,13 @@ def test_csi_sanity_nbd_volumes(site: Site) -> None:
 def test_csi_sanity_nfs_volumes(site: Site) -> None:
     specs = run_sanity(site, "nfs", "type: nfs\nnfsFsType: xfs", "squash: no_root_squash")
     check_every_spec_of_ours_passed(specs)
+
+
+def test_csi_sanity_node_nbd_volumes(site: Site) -> None:
+    specs = run_sanity(site, "node-nbd", "type: nbd", "iopsLimit: '2000'", node_specs=True)
+    check_every_spec_of_ours_passed(specs, ("Node Service",), 20)
+
+
+def test_csi_sanity_node_nfs_volumes(site: Site) -> None:
+    specs = run_sanity(site, "node-nfs", "type: nfs", "squash: no_root_squash", node_specs=True)
+    check_every_spec_of_ours_passed(specs, ("Node Service",), 20)
