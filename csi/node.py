@@ -15,14 +15,15 @@ from pathlib import Path
 
 import grpc
 
-from csi import attach, capabilities, mounts, stage
+from csi import attach, capabilities, ephemeral, mounts, stage
 from csi.config import NODE_TOPOLOGY_KEY, NodeConfig
 from csi.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from csi.ids import node_id
+from csi.ids import NodeRef, node_id
 from csi.locks import OperationLocks
 from csi.nodestate import NodeState, Publication, StagedVolume
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
+from csi.storagenodes import StorageNodes
 
 log = logging.getLogger("moorage.csi.node")
 
@@ -90,8 +91,12 @@ class NodeService(pb_grpc.NodeServicer):
         config: NodeConfig,
         state_dir: Path,
         plan: attach.Plan | None = None,
+        storage_nodes: StorageNodes | None = None,
     ) -> None:
+        """``storage_nodes``: where ephemeral volumes are made (None: not served)."""
         self.node_id = node_id(name, address)  # ValueError for a bad name or address
+        self.me = NodeRef(name, self.node_id.rpartition("@")[2])
+        self.storage_nodes = storage_nodes
         self.name = name
         self.topology = {**config.topology, NODE_TOPOLOGY_KEY: name}
         self.state = NodeState(state_dir)
@@ -245,14 +250,16 @@ class NodeService(pb_grpc.NodeServicer):
             raise InvalidArgument("volume_capability is missing")
         cap = request.volume_capability
         capabilities.check_present([cap])
-        if request.volume_context.get(EPHEMERAL_KEY) == "true":
-            raise InvalidArgument("ephemeral inline volumes are not served by this node plugin yet")
-        staging = _absolute(request.staging_target_path, "staging_target_path")
         access = capabilities.access_type(cap)
-        if access == "mount":
-            stage.check_options(cap.mount.mount_flags)
+        flags = stage.check_options(cap.mount.mount_flags) if access == "mount" else ()
         read_only = request.readonly or cap.access_mode.mode in capabilities.READ_ONLY
         pod = _pod(dict(request.volume_context))
+        if request.volume_context.get(EPHEMERAL_KEY) == "true":
+            if access != "mount":
+                raise InvalidArgument("an ephemeral inline volume is a filesystem (mount access)")
+            self._publish_ephemeral(request, target, flags, read_only, pod)
+            return pb.NodePublishVolumeResponse()
+        staging = _absolute(request.staging_target_path, "staging_target_path")
         with self.locks.hold(volume_id):
             record = self.state.get(volume_id)
             if record is None or record.staging_path != str(staging):
@@ -285,18 +292,88 @@ class NodeService(pb_grpc.NodeServicer):
         )
         return pb.NodePublishVolumeResponse()
 
+    def _publish_ephemeral(
+        self,
+        request: pb.NodePublishVolumeRequest,
+        target: Path,
+        flags: tuple[str, ...],
+        read_only: bool,
+        pod: dict[str, str],
+    ) -> None:
+        if self.storage_nodes is None:
+            raise FailedPrecondition(
+                "this node plugin has no storage nodes in its configuration, so it cannot "
+                "make ephemeral inline volumes"
+            )
+        spec = ephemeral.parse(request.volume_context)
+        volume_id = request.volume_id
+        with self.locks.hold(volume_id):
+            record = self.state.get(volume_id)
+            if record is not None and record.staging_path != str(target):
+                raise AlreadyExists(f"ephemeral volume {volume_id} is at {record.staging_path}")
+            if record is None:
+                record = StagedVolume(
+                    volume_id, str(target), spec.kind, "mount", ephemeral=True,
+                    fs_type=spec.fs_type,
+                )  # fmt: skip
+            record.published = {str(target): Publication(str(target), read_only, pod)}
+            self.state.put(record)  # before the volume exists: a retry or unpublish finds it
+            node, backend_id, ctx = ephemeral.create_and_publish(
+                self.storage_nodes, volume_id, spec, self.me, self.topology
+            )
+            record.storage_node, record.backend_id = node, backend_id
+            self.state.put(record)
+            if spec.kind == "nbd":
+                record.uri = stage.nbd_uri(ctx)
+                self.state.put(record)
+                record.device = stage.attach_device(record.uri, self.state.attach_dir, self.plan)
+                self.state.put(record)
+                stage.mount_filesystem(record.device, target, spec.fs_type, flags, read_only)
+            else:
+                record.nfs_source = stage.mount_nfs(
+                    ctx, target, self.plan, flags, read_only, self._nfs_log(volume_id)
+                )
+                self.state.put(record)
+        log.info(
+            "ephemeral %s volume %s (%s:%s) published at %s%s",
+            spec.kind,
+            volume_id,
+            node,
+            backend_id,
+            target,
+            f" for pod {pod.get('namespace', '?')}/{pod['name']}" if "name" in pod else "",
+        )
+
+    def _unpublish_ephemeral(self, record: StagedVolume) -> None:
+        if record.uri:
+            stage.detach_device(record.uri, self.state.attach_dir)
+        if record.backend_id and self.storage_nodes is not None:
+            ephemeral.unpublish_and_delete(
+                self.storage_nodes, record.storage_node, record.backend_id, self.me
+            )
+        elif record.backend_id:
+            raise FailedPrecondition(
+                f"ephemeral volume {record.volume_id} lives on storage node "
+                f"{record.storage_node}, which this plugin's configuration no longer names"
+            )
+        self.state.remove(record.volume_id)
+        log.info("ephemeral volume %s deleted", record.volume_id)
+
     def NodeUnpublishVolume(
         self, request: pb.NodeUnpublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodeUnpublishVolumeResponse:
         """Unmount the pod's target and remove it.  A target that is not mounted
-        (never published, or already unpublished) is success."""
+        (never published, or already unpublished) is success.  An ephemeral
+        volume is then detached and deleted from its storage node."""
         volume_id = _require(request.volume_id, "volume_id")
         target = _absolute(request.target_path, "target_path")
         with self.locks.hold(volume_id):
             stage.unmount(target)
             stage.remove_path(target)
             record = self.state.get(volume_id)
-            if record is not None and record.published.pop(str(target), None) is not None:
+            if record is not None and record.ephemeral and record.staging_path == str(target):
+                self._unpublish_ephemeral(record)
+            elif record is not None and record.published.pop(str(target), None) is not None:
                 self.state.put(record)
         log.info("volume %s unpublished from %s", volume_id, target)
         return pb.NodeUnpublishVolumeResponse()

@@ -38,7 +38,9 @@ class StagedVolume:
     fs_type: str = ""  # nbd mount: ext4 or xfs
     nfs_source: str = ""  # nfs: SERVER:PATH
     read_only: bool = False
-    ephemeral: bool = False
+    ephemeral: bool = False  # made for one pod: staging_path is the pod's target
+    storage_node: str = ""  # ephemeral: where it was made, and its id there
+    backend_id: str = ""
     published: dict[str, Publication] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -94,7 +94,14 @@ def serve(
         if not node_id or not address:
             raise _fail(f"--mode {mode} needs --node-id and --node-address (or node.address)")
         try:
-            node = NodeService(node_id, address, config.node, state_dir)
+            ephemeral_nodes = storage_nodes
+            if ephemeral_nodes is None and config.storage_nodes:
+                from csi.storagenodes import StorageNodes
+
+                ephemeral_nodes = StorageNodes(config)
+            node = NodeService(
+                node_id, address, config.node, state_dir, storage_nodes=ephemeral_nodes
+            )
             services.append((pb_grpc.add_NodeServicer_to_server, node))
         except (ValueError, OSError) as e:
             raise _fail(str(e)) from None

@@ -280,3 +280,230 @@ def test_publish_before_stage_and_bad_paths_are_refused(site: Site) -> None:
             pb.NodeGetVolumeStatsRequest(volume_id="sn-a:" + "0" * 32, volume_path="/tmp")
         )
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# --------------------------------------------- restarts, reboots, expansion
+
+
+def create_publish(
+    site: Site, kind: str, cap: pb.VolumeCapability, size: int
+) -> tuple[pb.Volume, dict[str, str], str]:
+    info = site.nodes.NodeGetInfo(pb.NodeGetInfoRequest())
+    vol = site.controller.CreateVolume(
+        pb.CreateVolumeRequest(
+            name=f"pvc-{uuid.uuid4()}",
+            capacity_range=pb.CapacityRange(required_bytes=size),
+            volume_capabilities=[cap],
+            parameters={"type": kind},
+        )
+    ).volume
+    ctx = site.controller.ControllerPublishVolume(
+        pb.ControllerPublishVolumeRequest(
+            volume_id=vol.volume_id, node_id=info.node_id, volume_capability=cap
+        )
+    ).publish_context
+    return vol, dict(ctx), info.node_id
+
+
+@dataclass
+class Mounted:
+    vol: pb.Volume
+    ctx: dict[str, str]
+    node_id: str
+    cap: pb.VolumeCapability
+    staging: Path
+    target: Path
+
+    def stage(self, site: Site) -> None:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        site.nodes.NodeStageVolume(
+            pb.NodeStageVolumeRequest(
+                volume_id=self.vol.volume_id,
+                publish_context=self.ctx,
+                staging_target_path=str(self.staging),
+                volume_capability=self.cap,
+                volume_context=self.vol.volume_context,
+            )
+        )
+
+    def publish(self, site: Site) -> None:
+        site.nodes.NodePublishVolume(
+            pb.NodePublishVolumeRequest(
+                volume_id=self.vol.volume_id,
+                publish_context=self.ctx,
+                staging_target_path=str(self.staging),
+                target_path=str(self.target),
+                volume_capability=self.cap,
+                volume_context=self.vol.volume_context,
+            )
+        )
+
+    def stats(self, site: Site) -> pb.NodeGetVolumeStatsResponse:
+        response: pb.NodeGetVolumeStatsResponse = site.nodes.NodeGetVolumeStats(
+            pb.NodeGetVolumeStatsRequest(volume_id=self.vol.volume_id, volume_path=str(self.target))
+        )
+        return response
+
+    def teardown(self, site: Site) -> None:
+        handle = self.vol.volume_id
+        with contextlib.suppress(grpc.RpcError):
+            site.nodes.NodeUnpublishVolume(
+                pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(self.target))
+            )
+        with contextlib.suppress(grpc.RpcError):
+            site.nodes.NodeUnstageVolume(
+                pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(self.staging))
+            )
+        site.controller.ControllerUnpublishVolume(
+            pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=self.node_id)
+        )
+        site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle))
+
+
+def mounted(site: Site, kind: str, cap: pb.VolumeCapability, size: int) -> Mounted:
+    vol, ctx, node_id = create_publish(site, kind, cap, size)
+    pod = str(uuid.uuid4())
+    pv = f"pv-{pod[:8]}"
+    m = Mounted(
+        vol,
+        ctx,
+        node_id,
+        cap,
+        site.kubelet.global_mount(vol.volume_id),
+        site.kubelet.pod_target(pod, pv),
+    )
+    m.stage(site)
+    m.publish(site)
+    return m
+
+
+def test_a_killed_plugin_leaves_pods_working_and_cleans_up_after_restart(site: Site) -> None:
+    volumes = [
+        mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB),
+        mounted(site, "nfs", mount_cap(Mode.MULTI_NODE_MULTI_WRITER), 64 * MIB),
+    ]
+    try:
+        for m in volumes:
+            (m.target / "before").write_text("written before the kill\n")
+        assert site.plugin.proc is not None
+        site.plugin.proc.kill()  # SIGKILL: no clean-up of any kind
+        site.plugin.proc.wait()
+        for m in volumes:  # the pods' mounts keep working without the plugin
+            assert (m.target / "before").read_text() == "written before the kill\n"
+            (m.target / "during").write_text("written while the plugin was down\n")
+            os.sync()
+        site.plugin.start()  # the same state directory; the stale socket is replaced
+        for m in volumes:
+            stats = m.stats(site)
+            assert not stats.volume_condition.abnormal, stats.volume_condition.message
+            assert (m.target / "during").read_text() == "written while the plugin was down\n"
+    finally:
+        for m in volumes:
+            m.teardown(site)
+    assert not any(str(site.kubelet.root) in e.mount_point for e in mounts.mount_entries())
+    assert attach.list_block_attachments(site.state_dir / "attach") == []
+
+
+def test_after_a_reboot_staging_again_brings_the_data_back(site: Site) -> None:
+    m = mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "xfs"), 320 * MIB)
+    try:
+        (m.target / "kept").write_text("across the reboot\n")
+        os.sync()
+        # a reboot, behind the plugin's back: mounts and the attachment are gone
+        mounts.unmount(m.target)
+        mounts.unmount(m.staging)
+        attach.detach_block(nbd_uri_of(m.ctx), site.state_dir / "attach")
+        stats = m.stats(site)
+        assert stats.volume_condition.abnormal, "a volume whose device is gone looks healthy"
+        assert "not attached" in stats.volume_condition.message, stats.volume_condition.message
+        # kubelet stages and publishes again after the reboot
+        m.stage(site)
+        m.publish(site)
+        assert (m.target / "kept").read_text() == "across the reboot\n"
+        assert not m.stats(site).volume_condition.abnormal
+    finally:
+        m.teardown(site)
+
+
+def nbd_uri_of(ctx: Mapping[str, str]) -> str:
+    return f"nbd://{ctx['host']}:{ctx['port']}/{ctx['exportName']}"
+
+
+@pytest.mark.parametrize("kind", ["nbd", "nfs"])
+def test_expansion_is_seen_inside_the_pod(site: Site, kind: str) -> None:
+    cap = (
+        mount_cap(Mode.SINGLE_NODE_WRITER, "xfs")
+        if kind == "nbd"
+        else mount_cap(Mode.MULTI_NODE_MULTI_WRITER)
+    )
+    m = mounted(site, kind, cap, 320 * MIB)
+    try:
+        before = os.statvfs(m.target)
+        grown = site.controller.ControllerExpandVolume(
+            pb.ControllerExpandVolumeRequest(
+                volume_id=m.vol.volume_id,
+                capacity_range=pb.CapacityRange(required_bytes=640 * MIB),
+                volume_capability=cap,
+            )
+        )
+        assert grown.capacity_bytes == 640 * MIB
+        assert grown.node_expansion_required == (kind == "nbd")
+        if grown.node_expansion_required:
+            r = site.nodes.NodeExpandVolume(
+                pb.NodeExpandVolumeRequest(
+                    volume_id=m.vol.volume_id,
+                    volume_path=str(m.target),
+                    capacity_range=pb.CapacityRange(required_bytes=640 * MIB),
+                    staging_target_path=str(m.staging),
+                    volume_capability=cap,
+                )
+            )
+            assert r.capacity_bytes == 640 * MIB
+        after = os.statvfs(m.target)  # what df in the pod shows
+        assert after.f_blocks * after.f_frsize >= before.f_blocks * before.f_frsize + 250 * MIB
+    finally:
+        m.teardown(site)
+
+
+def test_ephemeral_volume_is_made_for_the_pod_and_deleted_after(site: Site) -> None:
+    pod = str(uuid.uuid4())
+    volume_id = f"csi-{hashlib.sha256(pod.encode()).hexdigest()}"
+    target = site.kubelet.pod_target(pod, "scratch")
+    req = pb.NodePublishVolumeRequest(
+        volume_id=volume_id,
+        target_path=str(target),
+        volume_capability=mount_cap(Mode.SINGLE_NODE_WRITER),
+        volume_context={
+            "csi.storage.k8s.io/ephemeral": "true",
+            "csi.storage.k8s.io/pod.name": "scratch-user",
+            "csi.storage.k8s.io/pod.namespace": "default",
+            "csi.storage.k8s.io/pod.uid": pod,
+            "size": "64Mi",
+            "fsType": "ext4",
+        },
+    )
+    site.nodes.NodePublishVolume(req)
+    site.nodes.NodePublishVolume(req)  # idempotent
+    try:
+        (target / "scratch").write_bytes(b"x" * 4096)
+        with site.node.client() as c:
+            names = [v.name for v in c.list_volumes(1000).volumes]
+        made = [n for n in names if n.startswith("eph-")]
+        assert len(made) == 1, names
+    finally:
+        unpublish = pb.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target))
+        site.nodes.NodeUnpublishVolume(unpublish)
+        site.nodes.NodeUnpublishVolume(unpublish)
+    with site.node.client() as c:
+        assert not [v.name for v in c.list_volumes(1000).volumes if v.name.startswith("eph-")]
+    assert mounted_at(target) == 0
+    assert attach.list_block_attachments(site.state_dir / "attach") == []
+    bad = pb.NodePublishVolumeRequest(
+        volume_id=volume_id + "-2",
+        target_path=str(target),
+        volume_capability=mount_cap(Mode.SINGLE_NODE_WRITER),
+        volume_context={"csi.storage.k8s.io/ephemeral": "true", "colour": "blue"},
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        site.nodes.NodePublishVolume(bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
