@@ -374,7 +374,7 @@ class NodeService(pb_grpc.NodeServicer):
             if record is not None and record.ephemeral and record.staging_path == str(target):
                 self._unpublish_ephemeral(record)
             elif record is not None and record.published.pop(str(target), None) is not None:
-                self.state.put(record)
+                self.state.put(record, durable=False)  # the target is unmounted already
         log.info("volume %s unpublished from %s", volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
 

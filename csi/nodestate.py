@@ -73,13 +73,16 @@ class NodeState:
             raise OSError(f"node state of volume {volume_id} is unreadable: {e}") from e
         return record if record.volume_id == volume_id else None
 
-    def put(self, record: StagedVolume) -> None:
+    def put(self, record: StagedVolume, durable: bool = True) -> None:
+        """Write the record.  ``durable=False`` skips the fsync, for updates whose
+        loss in a crash is harmless (a pod target already unmounted, still listed)."""
         path = self._path(record.volume_id)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             f.write(record.to_json())
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         tmp.replace(path)
 
     def remove(self, volume_id: str) -> None:

@@ -65,6 +65,10 @@ class Site:
     kubelet: Kubelet
     state_dir: Path
 
+    def plugin_plan_nfs(self) -> str | None:
+        """The NFS path this host's plugin uses (the same probe it runs)."""
+        return attach.probe().nfs
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
@@ -507,3 +511,41 @@ def test_ephemeral_volume_is_made_for_the_pod_and_deleted_after(site: Site) -> N
     with pytest.raises(grpc.RpcError) as e:
         site.nodes.NodePublishVolume(bad)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_fuse_nfs_mount_refuses_flags_it_cannot_honour(site: Site) -> None:
+    if site.plugin_plan_nfs() != "fuse-nfs":
+        pytest.fail("this test is about the FUSE NFS path, which this host must use")
+    ok_flags = ["hard", "nfsvers=4.1", "noatime"]
+    cap = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(mount_flags=ok_flags),
+        access_mode=Mode(mode=Mode.MULTI_NODE_MULTI_WRITER),
+    )
+    m = mounted(site, "nfs", cap, 64 * MIB)
+    try:
+        (m.target / "with-flags").write_text("ok\n")
+    finally:
+        m.teardown(site)
+    soft = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(mount_flags=["soft", "timeo=10"]),
+        access_mode=Mode(mode=Mode.MULTI_NODE_MULTI_WRITER),
+    )
+    vol, ctx, node_id = create_publish(site, "nfs", soft, 64 * MIB)
+    staging = site.kubelet.global_mount(vol.volume_id)
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            site.nodes.NodeStageVolume(
+                pb.NodeStageVolumeRequest(
+                    volume_id=vol.volume_id,
+                    publish_context=ctx,
+                    staging_target_path=str(staging),
+                    volume_capability=soft,
+                    volume_context=vol.volume_context,
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "soft" in (e.value.details() or "")
+        assert mounted_at(staging) == 0
+    finally:
+        Mounted(vol, ctx, node_id, soft, staging, staging / "unused").teardown(site)
