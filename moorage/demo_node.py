@@ -23,6 +23,7 @@ from backend.client import BackendClient
 from backend.daemon import DaemonConfig, run_daemon
 from backend.poolinit import init_loop_pool, read_pool_record, release_loop_pool
 from backend.proto import backend_pb2 as pb
+from moorage.demo_csi import csi_demo
 from moorage.units import format_size
 
 T = TypeVar("T")
@@ -78,6 +79,7 @@ async def node_demo(state: Path, console: Console) -> None:
             client = BackendClient(config.api_address)
             try:
                 await _drive(client, nfs_port, mount_port, console)
+                await trio.to_thread.run_sync(csi_demo, state, config.api_address, console)
             finally:
                 client.close()
                 nursery.cancel_scope.cancel()
