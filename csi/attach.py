@@ -406,6 +406,21 @@ def refresh_block(uri: str, state_dir: str | os.PathLike[str], timeout: float = 
         raise AttachError(f"refreshing {a.device} failed: {e}") from e
 
 
+def reconcile_block_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
+    """At a restart: undo half-made attachments, report broken ones (left as
+    they are: a filesystem may still be mounted on them).  One line each."""
+    report = [
+        f"{a.uri} on {a.device}: lost its NBD connection"
+        for a in _kernel_records(state_dir)
+        if not _kernel_connected(a.device)
+    ]
+    if _pyfuse3_installed() and Path(state_dir).exists():
+        from fuse import blockdev
+
+        report += blockdev.reconcile_attachments(state_dir)
+    return report
+
+
 def block_attachment_problem(uri: str, state_dir: str | os.PathLike[str]) -> str | None:
     """Why the attachment of ``uri`` does not work (None: it does)."""
     found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
@@ -539,6 +554,7 @@ __all__ = [
     "list_block_attachments",
     "mount_nfs_export",
     "probe",
+    "reconcile_block_attachments",
     "refresh_block",
     "unmount_nfs",
 ]

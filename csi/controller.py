@@ -151,6 +151,15 @@ class ControllerService(pb_grpc.ControllerServicer):
         source_ref, source_kind = self._content_source(request)
         secrets = request.secrets
         labels = dict(params.labels)
+        if params.fs_type:
+            if kind != "nbd":
+                raise InvalidArgument("fsType is for nbd volumes; an nfs volume takes nfsFsType")
+            named = {c.mount.fs_type for c in caps if c.WhichOneof("access_type") == "mount"}
+            if named - {"", params.fs_type}:
+                raise InvalidArgument(
+                    f"fsType {params.fs_type} differs from the capability's {sorted(named)}"
+                )
+            labels[messages.FS_TYPE_LABEL] = params.fs_type
         if name != request.name:
             labels[NAME_LABEL] = request.name[:512]
         with self.locks.hold(f"name:{name}"):

@@ -1,7 +1,8 @@
 """Storage-node objects as CSI messages, and the contexts handed to the node plugin.
 
 ``volume_context`` (set at CreateVolume, given back at every node call):
-``type`` (nbd|nfs), ``storageNode``, and ``nfsFsType`` for nfs volumes.
+``type`` (nbd|nfs), ``storageNode``, ``nfsFsType`` for nfs volumes, and
+``fsType`` for nbd volumes whose StorageClass named one.
 
 ``publish_context`` (from ControllerPublishVolume to the node's stage call):
 
@@ -22,6 +23,8 @@ from csi.errors import InvalidArgument
 from csi.proto import csi_pb2 as pb
 
 VOLUME_TYPES = {bpb.NBD: "nbd", bpb.NFS: "nfs"}
+# An nbd volume's StorageClass fsType, kept with the volume on the storage node.
+FS_TYPE_LABEL = "csi.moorage.dev/fs-type"
 BACKEND_TYPES = {"nbd": bpb.NBD, "nfs": bpb.NFS}
 
 
@@ -30,6 +33,8 @@ def volume(node: str, v: bpb.Volume, accessible: list[pb.Topology]) -> pb.Volume
     context = {"type": kind, "storageNode": node}
     if kind == "nfs":
         context["nfsFsType"] = v.fs_type
+    elif v.labels.get(FS_TYPE_LABEL):
+        context["fsType"] = v.labels[FS_TYPE_LABEL]
     source = None
     if v.source_snapshot_id:
         source = pb.VolumeContentSource(

@@ -110,6 +110,20 @@ class NodeService(pb_grpc.NodeServicer):
             self.plan.nfs,
             self.plan.nfs_reason,
         )
+        for line in self.reconcile():
+            log.warning("at start: %s", line)
+
+    def reconcile(self) -> list[str]:
+        """What a restart finds: half-made attachments are undone; volumes whose
+        attachment or mount is gone (a reboot, a killed FUSE process) are
+        reported, and are repaired by kubelet's next stage and publish."""
+        report = attach.reconcile_block_attachments(self.state.attach_dir)
+        for record in self.state.all():
+            for path in [record.staging_path, *record.published]:
+                problem = self._problem(record, Path(path))
+                if problem is not None:
+                    report.append(f"volume {record.volume_id}: {problem}")
+        return report
 
     # -- who this node is
 
@@ -155,7 +169,10 @@ class NodeService(pb_grpc.NodeServicer):
                     "access"
                 )
             if kind == "nbd":
-                self._stage_nbd(volume_id, staging, ctx, cap, access, flags, read_only, record)
+                fs_type = request.volume_context.get("fsType", "")
+                self._stage_nbd(
+                    volume_id, staging, ctx, cap, access, flags, read_only, record, fs_type
+                )
             elif kind in ("nfs", "nfs-external"):
                 if access != "mount":
                     raise InvalidArgument("an NFS volume has no block access")
@@ -186,6 +203,7 @@ class NodeService(pb_grpc.NodeServicer):
         flags: tuple[str, ...],
         read_only: bool,
         record: StagedVolume | None,
+        fs_type: str,
     ) -> None:
         uri = stage.nbd_uri(ctx)
         if record is None or record.uri != uri:
@@ -200,7 +218,7 @@ class NodeService(pb_grpc.NodeServicer):
             stage.bind_device(record.device, staging)
         else:
             record.fs_type = stage.mount_filesystem(
-                record.device, staging, cap.mount.fs_type, flags, read_only
+                record.device, staging, cap.mount.fs_type or fs_type, flags, read_only
             )
         self.state.put(record)
 

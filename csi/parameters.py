@@ -6,6 +6,9 @@ What a StorageClass may say (``parameters``):
 ``type``              ``nfs`` or ``nbd``; default: ``nbd`` for raw block access,
                       ``nfs`` for a multi-node writable filesystem, else ``nbd``
 ``nfsFsType``         ``xfs`` (default) or ``ext4``: an NFS volume's own filesystem
+``fsType``            ``ext4`` or ``xfs``: an nbd volume's filesystem when the volume
+                      capability names none (csi-provisioner normally puts
+                      ``csi.storage.k8s.io/fstype`` there)
 ``squash``            NFS: ``root_squash`` (default), ``no_root_squash``, ``all_squash``
 ``storageNode``       place the volume on this storage node only
 ``iopsLimit``         NBD: requests per second over all connections (0: none)
@@ -40,7 +43,8 @@ METADATA = {
     "csi.storage.k8s.io/pv/name": "csi.storage.k8s.io/pv-name",
 }
 MUTABLE = ("squash", "iopsLimit", "bandwidthLimit")
-KNOWN = ("type", "nfsFsType", "storageNode", *MUTABLE, *METADATA)
+KNOWN = ("type", "nfsFsType", "fsType", "storageNode", *MUTABLE, *METADATA)
+BLOCK_FS_TYPES = ("ext4", "xfs")
 # The mutable keys as the storage node names them, by volume type.
 BACKEND_KEYS = {
     "nbd": {"iopsLimit": "iops_limit", "bandwidthLimit": "bandwidth_limit"},
@@ -57,6 +61,7 @@ class VolumeParameters:
 
     type: str | None = None  # None: chosen from the access type
     nfs_fs_type: str = "xfs"
+    fs_type: str = ""  # nbd: the filesystem when the capability names none
     storage_node: str | None = None
     mutable: Mapping[str, str] = field(default_factory=dict)  # CSI keys, checked values
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -99,6 +104,7 @@ def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParame
         )
     kind = _choice("type", params["type"], TYPES) if "type" in params else None
     fs = _choice("nfsFsType", params.get("nfsFsType", "xfs"), FS_TYPES)
+    block_fs = _choice("fsType", params["fsType"], BLOCK_FS_TYPES) if "fsType" in params else ""
     node = params.get("storageNode") or None
     from_class = check_mutable({k: params[k] for k in MUTABLE if k in params}, "parameter")
     from_request = check_mutable(mutable)
@@ -112,6 +118,7 @@ def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParame
     return VolumeParameters(
         type=kind,
         nfs_fs_type=fs,
+        fs_type=block_fs,
         storage_node=node,
         mutable={**from_class, **from_request},
         labels=labels,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from fuse import cgroup
 from fuse.blockfile import DEFAULT_CONNECTIONS, DISK, FSTYPE, REFRESH
 from fuse.loop import (
     LoopError,
@@ -250,6 +251,7 @@ def _start_blockfile(
                 start_new_session=True,  # outlives whoever asked for it
                 cwd="/",
             )
+        cgroup.adopt(proc.pid)  # and, in a container, outlives its cgroups too
     except BaseException:
         os.close(read_end)
         raise

@@ -54,6 +54,7 @@ from typing import Final, Literal, TypeVar, overload
 import pyfuse3
 import trio
 
+from fuse import cgroup
 from fuse.libnfs import NFSContext, NFSFile, NFSStat
 from fuse.process import (
     EarlyStop,
@@ -882,6 +883,7 @@ def _start_mount_process(
             cwd="/",
             start_new_session=True,
         )
+        cgroup.adopt(proc.pid)  # in a container: out of its cgroups (fuse/cgroup.py)
     except BaseException:
         os.close(read_end)
         raise

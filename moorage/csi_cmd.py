@@ -14,6 +14,7 @@ and docs/csi.md.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -91,6 +92,14 @@ def serve(
         from csi.node import NodeService
 
         address = address or config.node.address
+        from fuse.cgroup import ENV as FUSE_CGROUP_ENV
+        from fuse.cgroup import CgroupError, check_name
+
+        try:
+            if os.environ.get(FUSE_CGROUP_ENV):
+                check_name(os.environ[FUSE_CGROUP_ENV])
+        except CgroupError as e:
+            raise _fail(str(e)) from None
         if not node_id or not address:
             raise _fail(f"--mode {mode} needs --node-id and --node-address (or node.address)")
         try:

@@ -15,6 +15,7 @@ FUSE NFS mount (this kernel has neither nbd nor an NFS client).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import uuid
@@ -420,6 +421,10 @@ def test_after_a_reboot_staging_again_brings_the_data_back(site: Site) -> None:
         stats = m.stats(site)
         assert stats.volume_condition.abnormal, "a volume whose device is gone looks healthy"
         assert "not attached" in stats.volume_condition.message, stats.volume_condition.message
+        # the plugin starts after the reboot: it reports what it finds missing
+        site.plugin.stop()
+        site.plugin.start()
+        assert f"at start: volume {m.vol.volume_id}: " in site.plugin.log_text()
         # kubelet stages and publishes again after the reboot
         m.stage(site)
         m.publish(site)
@@ -549,3 +554,66 @@ def test_fuse_nfs_mount_refuses_flags_it_cannot_honour(site: Site) -> None:
         assert mounted_at(staging) == 0
     finally:
         Mounted(vol, ctx, node_id, soft, staging, staging / "unused").teardown(site)
+
+
+def test_read_only_publish_refuses_writes_and_records_the_pod(site: Site) -> None:
+    m = mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB)
+    reader = m.target.parent.parent / "reader" / "mount"
+    try:
+        (m.target / "shared").write_text("from the writer\n")
+        site.nodes.NodePublishVolume(
+            pb.NodePublishVolumeRequest(
+                volume_id=m.vol.volume_id,
+                publish_context=m.ctx,
+                staging_target_path=str(m.staging),
+                target_path=str(reader),
+                volume_capability=m.cap,
+                readonly=True,
+                volume_context={
+                    **m.vol.volume_context,
+                    "csi.storage.k8s.io/pod.name": "reader-0",
+                    "csi.storage.k8s.io/pod.namespace": "shop",
+                    "csi.storage.k8s.io/pod.uid": "uid-reader-0",
+                },
+            )
+        )
+        assert (reader / "shared").read_text() == "from the writer\n"
+        with pytest.raises(OSError) as e:
+            (reader / "nope").write_text("x")
+        assert e.value.errno == errno.EROFS
+        # the pod is in the node state, as podInfoOnMount gave it
+        states = [p.read_text() for p in (site.state_dir / "volumes").glob("*.json")]
+        assert any('"uid-reader-0"' in t and '"reader-0"' in t for t in states), states
+    finally:
+        site.nodes.NodeUnpublishVolume(
+            pb.NodeUnpublishVolumeRequest(volume_id=m.vol.volume_id, target_path=str(reader))
+        )
+        m.teardown(site)
+
+
+def test_ephemeral_volume_survives_a_plugin_restart_and_is_deleted_after(site: Site) -> None:
+    pod = str(uuid.uuid4())
+    volume_id = f"csi-{hashlib.sha256(pod.encode()).hexdigest()}"
+    target = site.kubelet.pod_target(pod, "scratch")
+    site.nodes.NodePublishVolume(
+        pb.NodePublishVolumeRequest(
+            volume_id=volume_id,
+            target_path=str(target),
+            volume_capability=mount_cap(Mode.SINGLE_NODE_WRITER),
+            volume_context={"csi.storage.k8s.io/ephemeral": "true", "type": "nfs"},
+        )
+    )
+    try:
+        (target / "kept").write_text("ok\n")
+        assert site.plugin.proc is not None
+        site.plugin.proc.kill()
+        site.plugin.proc.wait()
+        site.plugin.start()
+        assert (target / "kept").read_text() == "ok\n"
+    finally:
+        site.nodes.NodeUnpublishVolume(
+            pb.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target))
+        )
+    with site.node.client() as c:
+        assert not [v.name for v in c.list_volumes(1000).volumes if v.name.startswith("eph-")]
+    assert mounted_at(target) == 0

@@ -66,7 +66,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
 
 
 def run_sanity(
-    site: Site, name: str, parameters: str, mutable: str, node_specs: bool = False
+    site: Site,
+    name: str,
+    parameters: str,
+    mutable: str,
+    node_specs: bool = False,
+    access: str = "mount",
 ) -> list[dict[str, object]]:
     """Identity and Controller specs against the controller and node plugins as
     Kubernetes runs them; with ``node_specs``, the Node specs against one plugin
@@ -92,8 +97,9 @@ def run_sanity(
         "--csi.stagingdir", str(work / "stage"),
         "--csi.testvolumeparameters", str(work / "params.yaml"),
         "--csi.testvolumemutableparameters", str(work / "mutable.yaml"),
-        "--csi.testvolumesize", str(64 << 20),
-        "--csi.testvolumeexpandsize", str(128 << 20),
+        "--csi.testvolumesize", str(320 << 20),
+        "--csi.testvolumeaccesstype", access,
+        "--csi.testvolumeexpandsize", str(640 << 20),
         "--ginkgo.no-color",
         "--ginkgo.json-report", str(report),
     ]  # fmt: skip
@@ -137,11 +143,16 @@ def test_csi_sanity_nfs_volumes(site: Site) -> None:
     check_every_spec_of_ours_passed(specs)
 
 
-def test_csi_sanity_node_nbd_volumes(site: Site) -> None:
-    specs = run_sanity(site, "node-nbd", "type: nbd", "iopsLimit: '2000'", node_specs=True)
-    check_every_spec_of_ours_passed(specs, ("Node Service",), 20)
+NODE_RUNS = {
+    "nbd-ext4": ("type: nbd", "iopsLimit: '2000'", "mount"),
+    "nbd-xfs": ("type: nbd\nfsType: xfs", "bandwidthLimit: 100Mi", "mount"),
+    "nbd-block": ("type: nbd", "iopsLimit: '2000'", "block"),
+    "nfs": ("type: nfs", "squash: no_root_squash", "mount"),
+}
 
 
-def test_csi_sanity_node_nfs_volumes(site: Site) -> None:
-    specs = run_sanity(site, "node-nfs", "type: nfs", "squash: no_root_squash", node_specs=True)
+@pytest.mark.parametrize("run", list(NODE_RUNS))
+def test_csi_sanity_node_specs(site: Site, run: str) -> None:
+    parameters, mutable, access = NODE_RUNS[run]
+    specs = run_sanity(site, f"node-{run}", parameters, mutable, node_specs=True, access=access)
     check_every_spec_of_ours_passed(specs, ("Node Service",), 20)
