@@ -63,6 +63,19 @@ def _require(value: str, what: str) -> str:
     return value
 
 
+def _capability(
+    request: pb.NodeStageVolumeRequest | pb.NodePublishVolumeRequest,
+) -> tuple[pb.VolumeCapability, str, tuple[str, ...]]:
+    """The request's volume capability, checked: (capability, access type, mount flags)."""
+    if not request.HasField("volume_capability"):
+        raise InvalidArgument("volume_capability is missing")
+    cap = request.volume_capability
+    capabilities.check_present([cap])
+    access = capabilities.access_type(cap)
+    flags = stage.check_options(cap.mount.mount_flags) if access == "mount" else ()
+    return cap, access, flags
+
+
 def _pod(context: dict[str, str]) -> dict[str, str]:
     return {short: context[key] for key, short in POD_KEYS.items() if context.get(key)}
 
@@ -150,14 +163,9 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodeStageVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
         staging = _absolute(request.staging_target_path, "staging_target_path")
-        if not request.HasField("volume_capability"):
-            raise InvalidArgument("volume_capability is missing")
-        cap = request.volume_capability
-        capabilities.check_present([cap])
+        cap, access, flags = _capability(request)
         ctx = dict(request.publish_context)
         kind = ctx.get("type") or request.volume_context.get("type", "")
-        access = capabilities.access_type(cap)
-        flags = stage.check_options(cap.mount.mount_flags) if access == "mount" else ()
         read_only = cap.access_mode.mode in capabilities.READ_ONLY
         with self.locks.hold(volume_id):
             record = self.state.get(volume_id)
@@ -264,12 +272,7 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodePublishVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
         target = _absolute(request.target_path, "target_path")
-        if not request.HasField("volume_capability"):
-            raise InvalidArgument("volume_capability is missing")
-        cap = request.volume_capability
-        capabilities.check_present([cap])
-        access = capabilities.access_type(cap)
-        flags = stage.check_options(cap.mount.mount_flags) if access == "mount" else ()
+        cap, access, flags = _capability(request)
         read_only = request.readonly or cap.access_mode.mode in capabilities.READ_ONLY
         pod = _pod(dict(request.volume_context))
         if request.volume_context.get(EPHEMERAL_KEY) == "true":

@@ -29,7 +29,7 @@ import pytest
 
 from backend.client import BackendClient
 from backend.poolinit import init_loop_pool, release_loop_pool
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, stop_process
 
 POOL_SIZE = 4 << 30
 # ``ip netns exec`` gives the command a mount namespace of its own (a slave of
@@ -164,14 +164,7 @@ class BackendNode:
 
     def stop(self, timeout: float = 60) -> int:
         """Graceful stop (SIGTERM); returns the exit status."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (ganesha is left for the next start to stop)."""

@@ -38,6 +38,18 @@ def wait_for_port(
     raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout``; the exit status (0: never started)."""
+    if proc is None or proc.poll() is not None:
+        return proc.returncode if proc else 0
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 def sparse_image(path: Path, size: int) -> Path:
     with path.open("wb") as f:
         f.truncate(size)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import grpc
 
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
-from tests.conftest import REPO
+from tests.conftest import REPO, stop_process
 
 
 def write_config(path: Path, storage_nodes: Sequence[Mapping[str, object]], node: str = "") -> Path:
@@ -105,18 +104,8 @@ class CsiPlugin:
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.endpoint)
 
-    def controller(self, channel: grpc.Channel) -> pb_grpc.ControllerStub:
-        return pb_grpc.ControllerStub(channel)  # type: ignore[no-untyped-call]
-
     def stop(self, timeout: float = 20) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, timeout)
 
     def log_text(self) -> str:
         try:
