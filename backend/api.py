@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from backend import errors
+from backend.metrics import OPERATION_SECONDS
 from backend.proto import backend_pb2 as pb
 from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.service import (
@@ -50,6 +52,8 @@ def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[...,
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        started = time.monotonic()
+        code = grpc.StatusCode.OK
         try:
             return method(self, request, context)
         except errors.BackendError as e:
@@ -58,8 +62,13 @@ def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[...,
                 log.error("%s failed: %s", method.__name__, e)
             context.abort(code, str(e))
         except Exception as e:
-            log.exception("%s failed unexpectedly", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
+            if code == grpc.StatusCode.OK:  # not the abort above
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed unexpectedly", method.__name__)
+                context.abort(code, f"internal error: {e}")
+            raise
+        finally:
+            OPERATION_SECONDS.labels(method.__name__, code.name).observe(time.monotonic() - started)
 
     return wrapper
 

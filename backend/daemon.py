@@ -24,6 +24,7 @@ from backend.errors import InvalidArgument, Unavailable
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import GaneshaSupervisor
+from backend.metrics import StorageNodeCollector, serve_metrics
 from backend.pool import Pool
 from backend.poolinit import ensure_pool_mounted
 from backend.proto import backend_pb2_grpc as pb_grpc
@@ -61,6 +62,8 @@ class DaemonConfig:
     lease_lifetime: int = 60
     graceless: bool = False
     overcommit_ratio: float = 1.0
+    # Prometheus metrics over HTTP on HOST:PORT (backend/metrics.py); None: off.
+    metrics_listen: str | None = None
     # Unmount nfs volumes' filesystems when the daemon stops (they are
     # remounted at start either way).
     unmount_on_exit: bool = True
@@ -244,6 +247,17 @@ async def run_daemon(
                 await supervisor.run(task_status=task_status)
 
         await nursery.start(run_ganesha)
+        if config.metrics_listen:
+            token = trio.lowlevel.current_trio_token()
+            split_host_port(config.metrics_listen, "--metrics-listen")
+            serve_metrics(
+                config.metrics_listen,
+                StorageNodeCollector(
+                    service,
+                    lambda: trio.from_thread.run_sync(table.stats, trio_token=token),
+                    lambda: (supervisor.ready, supervisor.restarts),
+                ),
+            )
         server = _grpc_server(config, service)
         server.start()
         log.info(

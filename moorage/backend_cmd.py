@@ -54,6 +54,9 @@ def serve(
     overcommit: float = typer.Option(
         1.0, "--overcommit", help="Thin provisioning: sizes may add up to pool x this."
     ),
+    metrics_listen: str | None = typer.Option(
+        None, "--metrics-listen", help="Serve Prometheus metrics on HOST:PORT."
+    ),
 ) -> None:
     """Run the storage node: NFS through ganesha, NBD, and the backend API."""
     config = DaemonConfig(
@@ -77,6 +80,7 @@ def serve(
         lease_lifetime=lease_lifetime,
         graceless=graceless,
         overcommit_ratio=overcommit,
+        metrics_listen=metrics_listen,
     )
     tune_malloc()
     try:

@@ -96,9 +96,27 @@ class Export:
 
 
 @dataclass
+class ExportStats:
+    """What an export's connections did, counted as requests arrive (for metrics)."""
+
+    requests: int = 0
+    read_bytes: int = 0
+    written_bytes: int = 0
+    errors: int = 0
+
+
+@dataclass
+class ExportRuntime:
+    """What every connection of one export shares: its I/O limits and its counters."""
+
+    throttle: Throttle
+    stats: ExportStats = field(default_factory=ExportStats)
+
+
+@dataclass
 class _Entry:
     export: Export
-    throttle: Throttle
+    runtime: ExportRuntime
     connections: set[trio.CancelScope] = field(default_factory=set)
 
 
@@ -120,11 +138,11 @@ class ExportTable:
                 return
             if current.export.same_but_limits(export):
                 current.export = export
-                current.throttle.configure(export.iops_limit, export.bandwidth_limit)
+                current.runtime.throttle.configure(export.iops_limit, export.bandwidth_limit)
                 return
             self.remove(export.name)
         throttle = Throttle(export.iops_limit, export.bandwidth_limit)
-        self._entries[export.name] = _Entry(export, throttle)
+        self._entries[export.name] = _Entry(export, ExportRuntime(throttle))
 
     def remove(self, name: str) -> bool:
         """Remove an export and close its open connections.  False if absent."""
@@ -159,9 +177,9 @@ class ExportTable:
             return None
         return export
 
-    def open_connection(self, export: Export, scope: trio.CancelScope) -> Throttle | None:
-        """Register a connection in transmission on ``export``; returns the
-        export's throttle, shared by all its connections.
+    def open_connection(self, export: Export, scope: trio.CancelScope) -> ExportRuntime | None:
+        """Register a connection in transmission on ``export``; returns what
+        the export's connections share (limits, counters).
 
         Returns None if the export was removed or replaced meanwhile.
         """
@@ -169,12 +187,19 @@ class ExportTable:
         if entry is None or not entry.export.same_but_limits(export):
             return None
         entry.connections.add(scope)
-        return entry.throttle
+        return entry.runtime
 
     def close_connection(self, export: Export, scope: trio.CancelScope) -> None:
         entry = self._entries.get(export.name)
         if entry is not None:
             entry.connections.discard(scope)
+
+    def stats(self) -> list[tuple[str, ExportStats, int]]:
+        """(name, counters, open connections) of every export, copied."""
+        return [
+            (name, dataclasses.replace(e.runtime.stats), len(e.connections))
+            for name, e in self._entries.items()
+        ]
 
     def connection_count(self, name: str) -> int:
         entry = self._entries.get(name)

@@ -192,12 +192,13 @@ class NBDServer:
         export = session.export
         tx = Transmission(transport, session, self.io_limiter, label, lambda: self.shutting_down)
         conn_scope = trio.CancelScope()
-        throttle = self.exports.open_connection(export, conn_scope)
-        if throttle is None:
+        runtime = self.exports.open_connection(export, conn_scope)
+        if runtime is None:
             session.image.close()
             log.info("%s: export %s went away during the handshake", label, export.name)
             return
-        tx.throttle = throttle
+        tx.throttle = runtime.throttle
+        tx.stats = runtime.stats
         self._transmitting.add(tx)
         log.info(
             "%s: serving export %s (%d bytes%s%s)",
@@ -275,7 +276,12 @@ async def open_unix_listener(path: str, mode: int = 0o600) -> trio.SocketListene
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
+    # born with its mode: a chmod after bind leaves a moment with the default one
+    old = os.umask(0o777 & ~mode)
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
     os.chmod(path, mode)
     sock.listen(128)
     return trio.SocketListener(sock)

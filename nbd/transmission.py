@@ -22,6 +22,7 @@ import trio
 from nbd import codec
 from nbd.codec import ProtocolError, Request
 from nbd.constants import MAX_PAYLOAD, Command, CommandFlag, Errno
+from nbd.exports import ExportStats
 from nbd.handshake import BASE_ALLOCATION_ID, Session
 from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
 from nbd.throttle import Throttle
@@ -137,6 +138,7 @@ class Transmission:
         # The export's I/O limits, shared with its other connections (set by
         # the server once the connection is registered on the export).
         self.throttle: Throttle | None = None
+        self.stats = ExportStats()  # the export's shared counters, once registered
 
     def stop_reading(self) -> None:
         """Read no more requests; those already read still get their replies.
@@ -158,6 +160,7 @@ class Transmission:
         await self._send([codec.encode_simple_reply(req.cookie)])
 
     async def _fail(self, req: Request, error: Errno, message: str) -> None:
+        self.stats.errors += 1
         log.debug("%s: request %s failed: %s %s", self.label, req, error.name, message)
         if self.s.structured and req.type in (Command.READ, Command.BLOCK_STATUS):
             await self._send([codec.encode_error_chunk(req.cookie, error, message)])
@@ -210,6 +213,12 @@ class Transmission:
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
+            stats = self.stats
+            stats.requests += 1
+            if req.type == Command.READ:
+                stats.read_bytes += req.length
+            elif req.type == Command.WRITE:
+                stats.written_bytes += req.length
             if self.throttle is not None and not self.throttle.unlimited:
                 moved = req.length if req.type in (Command.READ, Command.WRITE) else 0
                 await self.throttle.admit(moved)

@@ -1,0 +1,108 @@
+"""The storage node's Prometheus metrics while a volume is written over NBD."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend.proto import backend_pb2 as pb
+from tests.backend_node import BackendNode, make_node
+from tests.conftest import free_port
+
+FAMILIES = (
+    "moorage_volumes",
+    "moorage_capacity_bytes",
+    "moorage_nbd_export_requests_total",
+    "moorage_nbd_export_read_bytes_total",
+    "moorage_nbd_export_written_bytes_total",
+    "moorage_nbd_export_errors_total",
+    "moorage_nbd_export_connections",
+    "moorage_ganesha_up",
+    "moorage_ganesha_restarts_total",
+    "moorage_backend_operation_seconds_count",
+)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
+    port = free_port()
+    node = make_node(tmp_path / "node", extra_args=["--metrics-listen", f"127.0.0.1:{port}"])
+    try:
+        node.start()
+        yield node, port
+    finally:
+        node.teardown()
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            samples[m[1]] = float(m[2])
+    return samples
+
+
+def value(samples: dict[str, float], family: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as exposed
+    key = f"{family}{{{want}}}" if labels else family
+    assert key in samples, f"{key} not in {sorted(k for k in samples if k.startswith(family))}"
+    return samples[key]
+
+
+def test_metrics_answer_and_the_byte_counters_move(node: tuple[BackendNode, int]) -> None:
+    n, port = node
+    with n.client() as c:
+        v = c.create_volume(
+            pb.CreateVolumeRequest(name="metered", type=pb.NBD, size_bytes=64 << 20)
+        )
+        target = c.publish(v.id, "n1", "127.0.0.1").nbd
+    export = target.export_name
+    uri = f"nbd://127.0.0.1:{target.port}/{export}"
+    before = scrape(port)
+    # a writer holds a connection open while the metrics are read
+    writer = subprocess.Popen(
+        [
+            "qemu-io",
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5a 0 32M",
+            "-c",
+            "flush",
+            "-c",
+            "read 0 8M",
+            uri,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    during: list[dict[str, float]] = []
+    scraper = threading.Thread(target=lambda: during.append(scrape(port)))
+    scraper.start()
+    assert writer.wait(120) == 0, writer.stderr.read() if writer.stderr else ""
+    scraper.join()
+    after = scrape(port)
+    for family in FAMILIES:
+        assert any(k.startswith(family) for k in after), f"{family} missing"
+    assert value(after, "moorage_volumes", type="nbd", state="ready") == 1
+    assert value(after, "moorage_ganesha_up") == 1
+    assert value(after, "moorage_capacity_bytes", kind="provisioned") == 64 << 20
+    assert value(after, "moorage_nbd_export_written_bytes_total", export=export) >= 32 << 20
+    assert value(after, "moorage_nbd_export_read_bytes_total", export=export) >= 8 << 20
+    written_before = before.get(f'moorage_nbd_export_written_bytes_total{{export="{export}"}}', 0)
+    assert written_before < value(after, "moorage_nbd_export_written_bytes_total", export=export)
+    assert value(after, "moorage_nbd_export_errors_total", export=export) == 0
+    assert (
+        value(after, "moorage_backend_operation_seconds_count", method="CreateVolume", code="OK")
+        >= 1
+    )
+    assert during, "no scrape while the writer ran"
