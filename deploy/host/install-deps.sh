@@ -32,6 +32,8 @@ packages=(
     postgresql
     # building the virtualenv
     python3 python3-venv python3-dev gcc make
+    # systemd-analyze verify checks the storage node's units in deploy/systemd
+    systemd
     # kernel uapi headers (linux/nbd-netlink.h, linux/nbd.h, linux/netlink.h): the
     # kernel nbd attach code's hard-coded values are tested against them
     linux-libc-dev
