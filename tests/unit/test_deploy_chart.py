@@ -1,0 +1,229 @@
+"""deploy/: the Helm chart, the plain manifests rendered from it, and the examples.
+
+helm is built from its Go module by ``make tools`` (version pinned in the
+Makefile); the Kubernetes schemas come from the kubernetes-validate package
+(the e2e adds a real API server's dry run).  The sidecars' own RBAC files are
+read from their Go modules, at the versions the chart's images name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+CHART = REPO / "deploy" / "helm" / "moorage"
+MANIFESTS = REPO / "deploy" / "kubernetes" / "moorage.yaml"
+EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
+KUBE_VERSION = "1.34.0"
+# Kinds from CRDs (external-snapshotter, prometheus-operator): no schema in the package
+CRD_KINDS = {"VolumeSnapshotClass", "VolumeSnapshot", "ServiceMonitor"}
+# Each sidecar's module and the file its repository grants its ClusterRole in.
+RBAC = "deploy/kubernetes/rbac.yaml"
+SIDECAR_RBAC = {
+    "provisioner": ("github.com/kubernetes-csi/external-provisioner/v6", RBAC),
+    "attacher": ("github.com/kubernetes-csi/external-attacher/v4", RBAC),
+    "resizer": ("github.com/kubernetes-csi/external-resizer/v2", RBAC),
+    "snapshotter": (
+        "github.com/kubernetes-csi/external-snapshotter/v8",
+        "deploy/kubernetes/csi-snapshotter/rbac-csi-snapshotter.yaml",
+    ),
+}  # fmt: skip
+NON_DEFAULT = {
+    "kubeletDir": "/data/kubelet",
+    "backendToken": {"create": True, "token": "0123456789abcdef0123"},
+    "controller": {"replicas": 3},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "storageNode": {"topology": {"topology.csi.moorage.dev/zone": "a"}, "loopPoolSize": ""},
+}
+
+
+def helm() -> str:
+    path = os.environ.get("MOORAGE_HELM")
+    assert path, "MOORAGE_HELM is not set: run the tests through make (make test)"
+    assert os.access(path, os.X_OK), f"{path} is missing: make tools builds it"
+    return path
+
+
+def run_helm(*args: str) -> str:
+    result = subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(values: dict[str, Any] | None, tmp_path: Path) -> str:
+    extra: list[str] = []
+    if values is not None:
+        path = tmp_path / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        extra = ["--values", str(path)]
+    return run_helm(
+        "template", "moorage", str(CHART), "--namespace", "moorage-system",
+        "--kube-version", KUBE_VERSION, *extra,
+    )  # fmt: skip
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def find(objs: list[dict[str, Any]], kind: str, name_part: str = "") -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and name_part in o["metadata"]["name"]]
+    assert len(found) == 1, f"{kind} *{name_part}*: {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def container(pod_owner: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = pod_owner["spec"]["template"]["spec"]
+    return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return objects(render(None, tmp_path_factory.mktemp("default")))
+
+
+@pytest.fixture(scope="module")
+def custom(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return objects(render(NON_DEFAULT, tmp_path_factory.mktemp("custom")))
+
+
+# ------------------------------------------------------------ the chart itself
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])
+def test_helm_lint_passes(values: dict[str, Any] | None, tmp_path: Path) -> None:
+    extra = []
+    if values is not None:
+        (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+        extra = ["--values", str(tmp_path / "v.yaml")]
+    out = run_helm("lint", str(CHART), "--kube-version", KUBE_VERSION, *extra)
+    assert "0 chart(s) failed" in out, out
+
+
+def test_plain_manifests_are_the_chart_rendered(tmp_path: Path) -> None:
+    rendered = objects(render(None, tmp_path))
+    committed = objects(MANIFESTS.read_text())
+    assert committed == rendered, "deploy/kubernetes is out of date: run 'make manifests'"
+
+
+def validate(docs: Iterator[dict[str, Any]] | list[dict[str, Any]], where: str) -> None:
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            assert doc["kind"] in CRD_KINDS, f"{where}: no schema for {doc['kind']}"
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{where}: {doc['kind']} {doc['metadata']['name']}: {e}") from e
+
+
+def test_every_object_passes_the_kubernetes_schemas(
+    default: list[dict[str, Any]], custom: list[dict[str, Any]]
+) -> None:
+    validate(default, "chart (default values)")
+    validate(custom, "chart (non-default values)")
+    for example in EXAMPLES:
+        validate(objects(example.read_text()), example.name)
+    assert len(EXAMPLES) == 7
+
+
+def test_the_csidriver_is_the_one_the_plugin_serves(default: list[dict[str, Any]]) -> None:
+    spec = find(default, "CSIDriver")["spec"]
+    assert spec == {
+        "attachRequired": True,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Persistent", "Ephemeral"],
+        "fsGroupPolicy": "File",
+        "storageCapacity": True,
+        "requiresRepublish": False,
+    }
+
+
+@pytest.mark.parametrize("kubelet", ["/var/lib/kubelet", "/data/kubelet"])
+def test_socket_paths_agree_between_registrar_plugin_and_kubelet(
+    kubelet: str, default: list[dict[str, Any]], custom: list[dict[str, Any]]
+) -> None:
+    objs = default if kubelet == "/var/lib/kubelet" else custom
+    node = find(objs, "DaemonSet", "moorage-node")
+    volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
+    plugin_dir = volumes["plugin-dir"]["hostPath"]["path"]
+    assert plugin_dir == f"{kubelet}/plugins/csi.moorage.dev"
+    assert volumes["registration-dir"]["hostPath"]["path"] == f"{kubelet}/plugins_registry"
+    registrar = container(node, "node-driver-registrar")
+    assert f"--kubelet-registration-path={plugin_dir}/csi.sock" in registrar["args"]
+    assert "--csi-address=/csi/csi.sock" in registrar["args"]
+    plugin = container(node, "moorage")
+    assert "--endpoint=unix:///csi/csi.sock" in plugin["args"]
+    mounts = {m["name"]: m for m in plugin["volumeMounts"]}
+    assert mounts["plugin-dir"]["mountPath"] == "/csi"
+    assert mounts["kubelet-dir"]["mountPath"] == kubelet
+    assert mounts["kubelet-dir"]["mountPropagation"] == "Bidirectional"
+    assert plugin["securityContext"]["privileged"] is True
+    assert node["spec"]["template"]["spec"]["hostPID"] is True
+    env = {e["name"]: e for e in plugin["env"]}
+    assert env["MOORAGE_FUSE_CGROUP"]["value"] == "moorage-fuse"
+
+
+def test_images_are_pinned_in_one_place(default: list[dict[str, Any]]) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    pinned = {f"{i['repository']}:{i['tag']}" for i in values["images"].values() if "tag" in i}
+    used = set()
+    for obj in default:
+        if obj["kind"] in ("Deployment", "DaemonSet"):
+            spec = obj["spec"]["template"]["spec"]
+            used |= {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    assert used <= pinned, used - pinned
+    assert all(":" in image and not image.endswith(":latest") for image in used), used
+    assert len(used) == 7  # moorage and six sidecars
+
+
+def sidecar_rules(kind: str, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ClusterRole rules of a sidecar's own rbac.yaml, at the chart's version."""
+    go = os.environ.get("MOORAGE_GO") or "go"
+    module, path = SIDECAR_RBAC[kind]
+    tag = values["images"][kind]["tag"]
+    result = subprocess.run(
+        [go, "mod", "download", "-json", f"{module}@{tag}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    source = Path(json.loads(result.stdout)["Dir"]) / path
+    roles = [d for d in yaml.safe_load_all(source.read_text()) if d and d["kind"] == "ClusterRole"]
+    assert roles, f"no ClusterRole in {source}"
+    return [rule for role in roles for rule in role["rules"]]
+
+
+def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for r in rules
+        for group in r.get("apiGroups", [""])
+        for resource in r.get("resources", [])
+        for verb in r.get("verbs", [])
+    }
+
+
+@pytest.mark.parametrize("kind", list(SIDECAR_RBAC))
+def test_each_sidecar_gets_what_its_own_rbac_grants(
+    kind: str, default: list[dict[str, Any]]
+) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    needed = grants(sidecar_rules(kind, values))
+    ours = grants(find(default, "ClusterRole", f"-{kind}")["rules"])
+    if kind == "provisioner":  # its namespaced needs live in our Role
+        ours |= grants(find(default, "Role", "-provisioner")["rules"])
+    missing = sorted(needed - ours)
+    assert not missing, f"{kind}: missing {missing}"
