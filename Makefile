@@ -19,10 +19,17 @@ HELM_VERSION := v3.19.0
 HELM := $(TOOLS_DIR)/helm-$(HELM_VERSION)/helm
 export MOORAGE_HELM := $(HELM)
 export MOORAGE_GO := $(GO)
+# The container image, kept outside the tree and named by a digest of what
+# goes into it, so it is rebuilt only when that changes.
+IMAGE_REF := moorage:0.1.0
+IMAGE_INPUTS := $(shell git ls-files -s nbd fuse backend csi moorage pyproject.toml deploy/image 2>/dev/null | sha256sum | cut -c1-16)
+IMAGE := $(HOME)/.cache/moorage/image/moorage-$(IMAGE_INPUTS).tar
+export MOORAGE_IMAGE := $(IMAGE)
+export MOORAGE_IMAGE_REF := $(IMAGE_REF)
 # The namespace the plain manifests in deploy/kubernetes are rendered for.
 MANIFESTS_NAMESPACE := moorage-system
 
-.PHONY: all demo test lint typecheck unit bench host proto tools manifests clean
+.PHONY: all demo test lint typecheck unit bench host proto tools manifests image clean
 
 all: test
 
@@ -52,6 +59,12 @@ $(HELM):
 
 tools: $(CSI_SANITY) $(HELM)
 
+$(IMAGE): | proto
+	mkdir -p $(dir $@)
+	bash deploy/image/build.sh $@ $(IMAGE_REF) $(PY)
+
+image: host proto $(IMAGE)
+
 # The plain manifests are the chart rendered with its default values; a test
 # fails when they and the chart disagree.
 manifests: $(HELM)
@@ -73,7 +86,7 @@ typecheck: proto
 unit: proto tools
 	$(PY) -m pytest -q
 
-test: host proto tools
+test: host proto tools $(IMAGE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

@@ -34,6 +34,9 @@ packages=(
     python3 python3-venv python3-dev gcc make
     # systemd-analyze verify checks the storage node's units in deploy/systemd
     systemd
+    # the container image: a root filesystem without a Docker daemon, and
+    # containerd (with ctr and runc) to import and run it in the tests
+    mmdebstrap containerd
     # kernel uapi headers (linux/nbd-netlink.h, linux/nbd.h, linux/netlink.h): the
     # kernel nbd attach code's hard-coded values are tested against them
     linux-libc-dev
@@ -81,5 +84,12 @@ if [[ " ${missing[*]} " == *" postgresql "* ]]; then
             online*) pg_ctlcluster "$version" "$cluster" stop >/dev/null 2>&1 || true ;;
         esac
     done
+fi
+# containerd is for the tests, which start their own on private sockets: a
+# packaged one this run started (systemd hosts) is stopped and not enabled.
+if [[ " ${missing[*]} " == *" containerd "* ]]; then
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        systemctl disable --now containerd.service >/dev/null 2>&1 || true
+    fi
 fi
 echo "install-deps: done"

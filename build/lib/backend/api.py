@@ -1,0 +1,261 @@
+"""The backend gRPC API: request validation at the edge, errors mapped once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from backend import errors
+from backend.metrics import OPERATION_SECONDS
+from backend.proto import backend_pb2 as pb
+from backend.proto import backend_pb2_grpc as pb_grpc
+from backend.service import (
+    CapacityInfo,
+    NbdTargetInfo,
+    NfsTargetInfo,
+    SnapshotInfo,
+    StorageService,
+    VolumeInfo,
+)
+
+log = logging.getLogger("moorage.backend.api")
+
+R = TypeVar("R")
+
+_STATUS: list[tuple[type[errors.BackendError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+_TYPES: dict[int, str] = {int(pb.NBD): "nbd", int(pb.NFS): "nfs"}
+_TYPE_PB: dict[str, pb.VolumeType] = {"nbd": pb.NBD, "nfs": pb.NFS}
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[..., R]:
+    """Turn backend errors into gRPC statuses; log what was not expected."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        started = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            return method(self, request, context)
+        except errors.BackendError as e:
+            code = status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("%s failed: %s", method.__name__, e)
+            context.abort(code, str(e))
+        except Exception as e:
+            if code == grpc.StatusCode.OK:  # not the abort above
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed unexpectedly", method.__name__)
+                context.abort(code, f"internal error: {e}")
+            raise
+        finally:
+            OPERATION_SECONDS.labels(method.__name__, code.name).observe(time.monotonic() - started)
+
+    return wrapper
+
+
+def volume_pb(v: VolumeInfo) -> pb.Volume:
+    return pb.Volume(
+        id=v.id,
+        name=v.name,
+        type=_TYPE_PB[v.type],
+        size_bytes=v.size_bytes,
+        used_bytes=v.used_bytes,
+        fs_type=v.fs_type or "",
+        source_snapshot_id=v.source_snapshot_id or "",
+        source_volume_id=v.source_volume_id or "",
+        state=v.state,
+        published_nodes=list(v.published_nodes),
+        parameters=dict(v.parameters),
+        created_unix=v.created_unix,
+        squash=v.squash or "",
+        labels=dict(v.labels),
+        publications=[
+            pb.PublishedNode(node_id=p.node_id, node_address=p.node_address, read_only=p.read_only)
+            for p in v.publications
+        ],
+    )
+
+
+def snapshot_pb(s: SnapshotInfo) -> pb.Snapshot:
+    return pb.Snapshot(
+        id=s.id,
+        name=s.name,
+        source_volume_id=s.source_volume_id,
+        type=_TYPE_PB[s.type],
+        size_bytes=s.size_bytes,
+        fs_type=s.fs_type or "",
+        state=s.state,
+        ready_to_use=s.ready_to_use,
+        created_unix=s.created_unix,
+    )
+
+
+def capacity_pb(c: CapacityInfo) -> pb.Capacity:
+    return pb.Capacity(
+        total_bytes=c.total_bytes,
+        free_bytes=c.free_bytes,
+        provisioned_bytes=c.provisioned_bytes,
+        overcommit_ratio=c.overcommit_ratio,
+        available_bytes=c.available_bytes,
+    )
+
+
+def _volume_type(value: int) -> str:
+    kind = _TYPES.get(value)
+    if kind is None:
+        raise errors.InvalidArgument("volume type must be NBD or NFS")
+    return kind
+
+
+class BackendServicer(pb_grpc.BackendServicer):
+    def __init__(self, service: StorageService) -> None:
+        self.service = service
+
+    @_rpc
+    def CreateVolume(
+        self, request: pb.CreateVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        source = request.WhichOneof("source")
+        volume = self.service.create_volume(
+            name=request.name,
+            kind=_volume_type(request.type),
+            size=request.size_bytes,
+            parameters=dict(request.parameters),
+            source_snapshot_id=request.snapshot_id if source == "snapshot_id" else None,
+            source_volume_id=request.volume_id if source == "volume_id" else None,
+            labels=dict(request.labels),
+        )
+        return volume_pb(volume)
+
+    @_rpc
+    def DeleteVolume(
+        self, request: pb.DeleteVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteVolumeResponse:
+        self.service.delete_volume(request.volume_id)
+        return pb.DeleteVolumeResponse()
+
+    @_rpc
+    def ExpandVolume(
+        self, request: pb.ExpandVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        return volume_pb(self.service.expand_volume(request.volume_id, request.size_bytes))
+
+    @_rpc
+    def ModifyVolume(
+        self, request: pb.ModifyVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        return volume_pb(self.service.modify_volume(request.volume_id, dict(request.parameters)))
+
+    @_rpc
+    def GetVolume(self, request: pb.GetVolumeRequest, context: grpc.ServicerContext) -> pb.Volume:
+        key = request.WhichOneof("key")
+        if key == "volume_id":
+            return volume_pb(self.service.get_volume(volume_id=request.volume_id))
+        if key == "name":
+            return volume_pb(self.service.get_volume(name=request.name))
+        raise errors.InvalidArgument("give a volume_id or a name")
+
+    @_rpc
+    def ListVolumes(
+        self, request: pb.ListVolumesRequest, context: grpc.ServicerContext
+    ) -> pb.ListVolumesResponse:
+        volumes, token = self.service.list_volumes(request.max_entries, request.starting_token)
+        return pb.ListVolumesResponse(volumes=[volume_pb(v) for v in volumes], next_token=token)
+
+    @_rpc
+    def CreateSnapshot(
+        self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.Snapshot:
+        return snapshot_pb(self.service.create_snapshot(request.name, request.source_volume_id))
+
+    @_rpc
+    def DeleteSnapshot(
+        self, request: pb.DeleteSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteSnapshotResponse:
+        self.service.delete_snapshot(request.snapshot_id)
+        return pb.DeleteSnapshotResponse()
+
+    @_rpc
+    def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        snaps, token = self.service.list_snapshots(
+            request.max_entries,
+            request.starting_token,
+            source_volume_id=request.source_volume_id or None,
+            snapshot_id=request.snapshot_id or None,
+        )
+        return pb.ListSnapshotsResponse(snapshots=[snapshot_pb(s) for s in snaps], next_token=token)
+
+    @_rpc
+    def GetCapacity(
+        self, request: pb.GetCapacityRequest, context: grpc.ServicerContext
+    ) -> pb.Capacity:
+        return capacity_pb(self.service.capacity())
+
+    @_rpc
+    def PublishVolume(
+        self, request: pb.PublishVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.PublishVolumeResponse:
+        target = self.service.publish_volume(
+            request.volume_id,
+            request.node_id,
+            request.node_address,
+            request.read_only,
+            request.multi_writer,
+            request.single_node,
+        )
+        if isinstance(target, NfsTargetInfo):
+            return pb.PublishVolumeResponse(
+                nfs=pb.NfsTarget(
+                    server=target.server,
+                    port=target.port,
+                    export_path=target.path,
+                    mount_port=target.mount_port,
+                )
+            )
+        assert isinstance(target, NbdTargetInfo)
+        return pb.PublishVolumeResponse(
+            nbd=pb.NbdTarget(
+                host=target.host, port=target.port, export_name=target.export_name, tls=target.tls
+            )
+        )
+
+    @_rpc
+    def UnpublishVolume(
+        self, request: pb.UnpublishVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.UnpublishVolumeResponse:
+        self.service.unpublish_volume(request.volume_id, request.node_id)
+        return pb.UnpublishVolumeResponse()
+
+    @_rpc
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        h = self.service.health()
+        return pb.HealthResponse(
+            ok=h.ok,
+            version=h.version,
+            ganesha_running=h.ganesha_running,
+            nbd_exports=h.nbd_exports,
+            nbd_connections=h.nbd_connections,
+            message=h.message,
+        )

@@ -1,0 +1,1 @@
+"""The catalog: what volumes, snapshots and publications exist (the source of truth)."""

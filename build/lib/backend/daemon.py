@@ -1,0 +1,296 @@
+"""The storage-node daemon: catalog, pool, reconcile, ganesha, NBD, gRPC API.
+
+One trio run owns the long-lived tasks (ganesha's supervisor, the NBD
+server); the gRPC server runs its own worker threads and reaches the trio
+side only through ``DaemonExporter``, which hops threads with the trio token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import trio
+
+from backend.api import BackendServicer
+from backend.auth import BearerTokenInterceptor, read_token
+from backend.catalog.db import Catalog
+from backend.errors import InvalidArgument, Unavailable
+from backend.ganesha.config import CoreConfig, ExportConfig
+from backend.ganesha.files import GaneshaFiles
+from backend.ganesha.supervisor import GaneshaSupervisor
+from backend.metrics import StorageNodeCollector, serve_metrics
+from backend.pool import Pool
+from backend.poolinit import ensure_pool_mounted
+from backend.proto import backend_pb2_grpc as pb_grpc
+from backend.reconcile import reconcile
+from backend.service import ExporterStatus, ServiceConfig, StorageService
+from nbd.exports import Export, ExportTable
+from nbd.server import NBDServer, ServerConfig
+from nbd.tls import server_context
+
+log = logging.getLogger("moorage.backend")
+
+
+@dataclass
+class DaemonConfig:
+    data_dir: Path
+    pool_dir: Path | None = None
+    # "unix:PATH" (mode 0600) or "HOST:PORT" (needs a token or mutual TLS)
+    listen: str | None = None
+    nbd_listen: str = "127.0.0.1:10809"
+    # What clients are told to connect to (defaults to the listen address).
+    nbd_advertise: str | None = None
+    nfs_port: int = 2049
+    # NFSv3's MOUNT protocol on a fixed port, so clients need not ask rpcbind.
+    mount_port: int = 20048
+    nfs_bind: str = "0.0.0.0"
+    nfs_advertise: str | None = None
+    db_url: str | None = None
+    token_file: Path | None = None
+    api_tls_cert: Path | None = None
+    api_tls_key: Path | None = None
+    api_client_ca: Path | None = None
+    nbd_tls_cert: Path | None = None
+    nbd_tls_key: Path | None = None
+    grace_period: int = 90
+    lease_lifetime: int = 60
+    graceless: bool = False
+    overcommit_ratio: float = 1.0
+    # Prometheus metrics over HTTP on HOST:PORT (backend/metrics.py); None: off.
+    metrics_listen: str | None = None
+    # Unmount nfs volumes' filesystems when the daemon stops (they are
+    # remounted at start either way).
+    unmount_on_exit: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pool(self) -> Path:
+        return (self.pool_dir or self.data_dir / "pool").absolute()
+
+    @property
+    def api_address(self) -> str:
+        return self.listen or f"unix:{(self.data_dir / 'backend.sock').absolute()}"
+
+
+def split_host_port(spec: str, what: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"{what}: expected HOST:PORT, got {spec!r}")
+    return host.strip("[]"), int(port)
+
+
+class DaemonExporter:
+    """The service's Exporter: ganesha files + reloads, and the NBD export table."""
+
+    def __init__(
+        self,
+        files: GaneshaFiles,
+        supervisor: GaneshaSupervisor,
+        table: ExportTable,
+        nbd: NBDServer,
+        token: trio.lowlevel.TrioToken,
+    ) -> None:
+        self.files = files
+        self.supervisor = supervisor
+        self.table = table
+        self.nbd = nbd
+        self.token = token
+
+    def _reload(self) -> None:
+        if self.supervisor.pid is None:
+            return  # not started yet: ganesha reads the files when it starts
+        if not self.supervisor.reload_from_thread(wait=True):
+            raise Unavailable("ganesha refused the export configuration (see its log)")
+
+    def set_nfs_export(self, export: ExportConfig) -> None:
+        if self.files.write_export(export):
+            self._reload()
+
+    def remove_nfs_export(self, export_id: int) -> None:
+        if self.files.remove_export(export_id):
+            self._reload()
+
+    def add_nbd_export(self, export: Export) -> None:
+        trio.from_thread.run_sync(self.table.add, export, trio_token=self.token)
+
+    def remove_nbd_export(self, name: str) -> None:
+        trio.from_thread.run_sync(self.table.remove, name, trio_token=self.token)
+
+    def status(self) -> ExporterStatus:
+        return ExporterStatus(
+            ganesha_running=self.supervisor.ready,
+            nbd_exports=len(self.table),
+            nbd_connections=self.nbd.active_connections,
+        )
+
+
+def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
+    interceptors: list[grpc.ServerInterceptor] = []  # type: ignore[type-arg]
+    if config.token_file is not None:
+        interceptors.append(BearerTokenInterceptor(read_token(config.token_file)))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="backend-api"),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    pb_grpc.add_BackendServicer_to_server(BackendServicer(service), server)  # type: ignore[no-untyped-call]
+    address = config.api_address
+    if address.startswith("unix:"):
+        path = Path(address[5:])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        old = os.umask(0o177)
+        try:
+            server.add_insecure_port(address)
+        finally:
+            os.umask(old)
+        return server
+    if config.api_tls_cert and config.api_tls_key:
+        ca = config.api_client_ca.read_bytes() if config.api_client_ca else None
+        creds = grpc.ssl_server_credentials(
+            [(config.api_tls_key.read_bytes(), config.api_tls_cert.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+        if ca is None and config.token_file is None:
+            raise InvalidArgument("a TCP API needs --token-file or client certificates")
+        server.add_secure_port(address, creds)
+    else:
+        if config.token_file is None:
+            raise InvalidArgument("a TCP API needs --token-file or client certificates")
+        log.warning("API on %s without TLS: the bearer token crosses the network in clear", address)
+        server.add_insecure_port(address)
+    return server
+
+
+def check_api_access(config: DaemonConfig) -> None:
+    """Refuse an API on TCP open to anyone, before anything is started or mounted."""
+    if config.api_address.startswith("unix:"):
+        return
+    mutual_tls = bool(config.api_tls_cert and config.api_tls_key and config.api_client_ca)
+    if config.token_file is None and not mutual_tls:
+        raise InvalidArgument("a TCP API needs --token-file or client certificates")
+    if config.token_file is not None:
+        read_token(config.token_file)
+
+
+async def run_daemon(
+    config: DaemonConfig, *, task_status: trio.TaskStatus[StorageService] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the storage node until SIGTERM/SIGINT or cancellation."""
+    check_api_access(config)
+    data_dir = config.data_dir.absolute()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    await trio.to_thread.run_sync(ensure_pool_mounted, config.pool)
+    pool = Pool(config.pool)
+    await trio.to_thread.run_sync(pool.ensure_layout)
+    catalog = Catalog(config.db_url) if config.db_url else Catalog.for_data_dir(data_dir)
+    await trio.to_thread.run_sync(catalog.migrate)
+
+    ganesha_dir = data_dir / "ganesha"
+    files = GaneshaFiles(ganesha_dir)
+    core = CoreConfig(
+        nfs_port=config.nfs_port,
+        mount_port=config.mount_port,
+        recovery_root=ganesha_dir / "recovery",
+        grace_period=config.grace_period,
+        lease_lifetime=config.lease_lifetime,
+        graceless=config.graceless,
+        bind_addr=config.nfs_bind,
+    )
+    files.write_main(core)
+    supervisor = GaneshaSupervisor(files.main_file, core, pid_file=ganesha_dir / "ganesha.pid")
+
+    nbd_tls = None
+    if config.nbd_tls_cert and config.nbd_tls_key:
+        nbd_tls = server_context(config.nbd_tls_cert, config.nbd_tls_key)
+    table = ExportTable()
+    nbd = NBDServer(table, ServerConfig(tls_context=nbd_tls, tls_required=nbd_tls is not None))
+    nbd_host, nbd_port = split_host_port(config.nbd_listen, "--nbd-listen")
+    exporter = DaemonExporter(files, supervisor, table, nbd, trio.lowlevel.current_trio_token())
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(nbd.serve_tcp, nbd_host, nbd_port)
+        bound_port = listeners[0].socket.getsockname()[1]
+        adv_host, adv_port = (
+            split_host_port(config.nbd_advertise, "--nbd-advertise")
+            if config.nbd_advertise
+            else (nbd_host if nbd_host not in ("", "0.0.0.0", "::") else "127.0.0.1", bound_port)
+        )
+        service = StorageService(
+            catalog,
+            pool,
+            exporter,
+            ServiceConfig(
+                nbd_host=adv_host,
+                nbd_port=adv_port,
+                nbd_tls=nbd_tls is not None,
+                nfs_server=config.nfs_advertise or core.probe_host,
+                nfs_port=config.nfs_port,
+                mount_port=config.mount_port,
+                overcommit_ratio=config.overcommit_ratio,
+            ),
+        )
+        repairs = await trio.to_thread.run_sync(reconcile, service, files)
+        log.info("reconciled at start: %d repairs", len(repairs))
+
+        ganesha_scope = trio.CancelScope()
+
+        async def run_ganesha(task_status: trio.TaskStatus[None]) -> None:
+            with ganesha_scope:
+                await supervisor.run(task_status=task_status)
+
+        await nursery.start(run_ganesha)
+        if config.metrics_listen:
+            token = trio.lowlevel.current_trio_token()
+            split_host_port(config.metrics_listen, "--metrics-listen")
+            serve_metrics(
+                config.metrics_listen,
+                StorageNodeCollector(
+                    service,
+                    lambda: trio.from_thread.run_sync(table.stats, trio_token=token),
+                    lambda: (supervisor.ready, supervisor.restarts),
+                ),
+            )
+        server = _grpc_server(config, service)
+        server.start()
+        log.info(
+            "storage node up: API %s, NBD %s:%d, NFS port %d, pool %s",
+            config.api_address,
+            nbd_host,
+            bound_port,
+            config.nfs_port,
+            config.pool,
+        )
+        task_status.started(service)
+        try:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("signal %d: stopping", signum)
+                    break
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: server.stop(grace=5).wait())
+                nbd.shutdown()
+                ganesha_scope.cancel()
+                # ganesha must be gone before what it exported is unmounted.
+                while supervisor.pid is not None:
+                    await trio.sleep(0.1)
+                if config.unmount_on_exit:
+                    await trio.to_thread.run_sync(_unmount_all, pool)
+                catalog.dispose()
+            nursery.cancel_scope.cancel()
+
+
+def _unmount_all(pool: Pool) -> None:
+    for vol_id in sorted(pool.list_mounts()):
+        try:
+            pool.unmount_fs_volume(vol_id)
+        except Exception as e:
+            log.error("unmounting volume %s: %s", vol_id, e)

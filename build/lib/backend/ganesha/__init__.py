@@ -1,0 +1,1 @@
+"""nfs-ganesha: configuration model, files and process supervision."""

@@ -1,0 +1,1 @@
+"""Backend API protocol (generated stubs live beside the .proto)."""

@@ -1,0 +1,151 @@
+"""Start-up reconciliation: make images, mounts and exports match the catalog.
+
+The catalog is the source of truth.  First every operation a crash
+interrupted is finished (each step is idempotent) or undone; then what is on
+disk is compared with what the catalog says, and each difference repaired
+and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select
+
+from backend.catalog.db import finish_operation, pending_operations, publications_of
+from backend.catalog.models import (
+    Operation,
+    OperationKind,
+    Publication,
+    PublicationState,
+    Snapshot,
+    SnapshotState,
+    Volume,
+    VolumeState,
+    VolumeType,
+)
+from backend.errors import BackendError
+from backend.ganesha.config import ExportConfig
+from backend.ganesha.files import GaneshaFiles
+from backend.service import StorageService
+
+log = logging.getLogger("moorage.backend.reconcile")
+
+
+def reconcile(service: StorageService, files: GaneshaFiles) -> list[str]:
+    """Repair what a crash left behind; returns one line per repair."""
+    repairs: list[str] = []
+    pool = service.pool
+    for path in pool.remove_partial_files():
+        repairs.append(f"removed partial file {path}")
+    # A crash in the middle of a snapshot or clone leaves its source frozen:
+    # thaw first, or finishing it fails to freeze again and undoes it.
+    for vol_id in sorted(pool.list_mounts()):
+        pool.thaw_fs_volume(vol_id)
+    repairs += _finish_operations(service)
+    repairs += _reconcile_files(service)
+    repairs += _reconcile_exports(service, files)
+    for line in repairs:
+        log.info("reconcile: %s", line)
+    return repairs
+
+
+def _finish_operations(service: StorageService) -> list[str]:
+    repairs: list[str] = []
+    with service.catalog.session() as s:
+        ops = [(o.id, o.kind, o.target_id, dict(o.payload or {})) for o in pending_operations(s)]
+    for op_id, kind, target, payload in ops:
+        what = f"interrupted {kind.value} of {target}"
+        try:
+            match kind:
+                case OperationKind.CREATE_VOLUME | OperationKind.CLONE_VOLUME:
+                    service.finish_create(target)
+                case OperationKind.DELETE_VOLUME:
+                    service.finish_delete(target)
+                case OperationKind.EXPAND_VOLUME:
+                    service.finish_expand(target, int(payload.get("size", 0)))
+                case OperationKind.CREATE_SNAPSHOT:
+                    service.finish_snapshot(target)
+                case OperationKind.DELETE_SNAPSHOT:
+                    service.finish_delete_snapshot(target)
+                case OperationKind.PUBLISH:
+                    _finish_publish(service, op_id, target, str(payload.get("node", "")))
+                case OperationKind.UNPUBLISH:
+                    service.finish_unpublish(target, str(payload.get("node", "")))
+            repairs.append(f"finished {what}")
+        except (BackendError, OSError) as e:
+            repairs.append(f"rolled back {what}: {e}")
+        with service.catalog.session() as s:
+            op = s.get(Operation, op_id)
+            if op is not None and op.state.value == "pending":
+                finish_operation(op, error="abandoned at start-up")
+    return repairs
+
+
+def _finish_publish(service: StorageService, op_id: int, vol_id: str, node: str) -> None:
+    service.apply_exports(vol_id)
+    with service.catalog.session() as s:
+        pub = s.scalars(
+            select(Publication).where(Publication.volume_id == vol_id, Publication.node_id == node)
+        ).first()
+        if pub is None:
+            return  # nothing to finish: the journal entry is closed as abandoned
+        if pub.state == PublicationState.PUBLISHING:
+            pub.state = PublicationState.PUBLISHED
+        # finished, as publish_volume itself would have recorded it
+        op = s.get(Operation, op_id)
+        if op is not None and op.state.value == "pending":
+            finish_operation(op)
+
+
+def _reconcile_files(service: StorageService) -> list[str]:
+    pool = service.pool
+    repairs: list[str] = []
+    with service.catalog.session() as s:
+        volumes = {v.id: (v.type, v.fs_type, v.state) for v in s.scalars(select(Volume))}
+        snapshots = {x.id: x.state for x in s.scalars(select(Snapshot))}
+    images = pool.list_volume_images()
+    for orphan in sorted(images - set(volumes)):
+        pool.delete_volume(orphan)
+        repairs.append(f"removed orphan volume image {orphan}")
+    for orphan in sorted(pool.list_mounts() - set(volumes)):
+        pool.delete_volume(orphan)
+        repairs.append(f"unmounted orphan volume mount {orphan}")
+    for orphan in sorted(pool.list_snapshot_images() - set(snapshots)):
+        pool.delete_snapshot(orphan)
+        repairs.append(f"removed orphan snapshot image {orphan}")
+    for vol_id, (vtype, fs_type, state) in sorted(volumes.items()):
+        if vol_id not in images:
+            log.error("volume %s (%s) has no image: its data is lost", vol_id, state.value)
+            repairs.append(f"volume {vol_id} has no image (not repairable)")
+            continue
+        live = state in (VolumeState.READY, VolumeState.EXPANDING)
+        if vtype == VolumeType.NFS and live and not pool.is_mounted(vol_id):
+            assert fs_type is not None
+            pool.mount_fs_volume(vol_id, fs_type.value)
+            repairs.append(f"mounted filesystem of volume {vol_id}")
+    snap_images = pool.list_snapshot_images()
+    for snap_id, snap_state in sorted(snapshots.items()):
+        if snap_state == SnapshotState.READY and snap_id not in snap_images:
+            repairs.append(f"snapshot {snap_id} has no image (not repairable)")
+    return repairs
+
+
+def _reconcile_exports(service: StorageService, files: GaneshaFiles) -> list[str]:
+    wanted: list[ExportConfig] = []
+    nbd_count = 0
+    with service.catalog.session() as s:
+        for v in s.scalars(select(Volume)):
+            pubs = [p for p in publications_of(s, v.id) if p.state != PublicationState.UNPUBLISHING]
+            if not pubs:
+                continue
+            if v.type == VolumeType.NFS:
+                wanted.append(service.nfs_export_config(v, pubs))
+            else:
+                for export in service.nbd_exports_of(v, pubs):
+                    service.exporter.add_nbd_export(export)
+                    nbd_count += 1
+    repairs = files.sync(wanted)
+    if nbd_count:
+        log.info("reconcile: %d NBD exports serving", nbd_count)
+    return repairs

@@ -1,0 +1,148 @@
+"""StorageClass parameters and VolumeAttributesClass (mutable) parameters.
+
+What a StorageClass may say (``parameters``):
+
+====================  ==========================================================
+``type``              ``nfs`` or ``nbd``; default: ``nbd`` for raw block access,
+                      ``nfs`` for a multi-node writable filesystem, else ``nbd``
+``nfsFsType``         ``xfs`` (default) or ``ext4``: an NFS volume's own filesystem
+``fsType``            ``ext4`` or ``xfs``: an nbd volume's filesystem when the volume
+                      capability names none (csi-provisioner normally puts
+                      ``csi.storage.k8s.io/fstype`` there)
+``squash``            NFS: ``root_squash`` (default), ``no_root_squash``, ``all_squash``
+``storageNode``       place the volume on this storage node only
+``iopsLimit``         NBD: requests per second over all connections (0: none)
+``bandwidthLimit``    NBD: bytes per second (0: none); ``Ki``/``Mi``/``Gi`` suffixes
+``csi.storage.k8s.io/pvc/name``, ``.../pvc/namespace``, ``.../pv/name``
+                      added by csi-provisioner (``--extra-create-metadata``);
+                      kept as the volume's labels on the storage node
+====================  ==========================================================
+
+``squash``, ``iopsLimit`` and ``bandwidthLimit`` are also the keys of
+``mutable_parameters`` (CreateVolume) and ControllerModifyVolume.  Any other
+key is INVALID_ARGUMENT naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from csi.errors import InvalidArgument
+
+TYPES = ("nfs", "nbd")
+FS_TYPES = ("xfs", "ext4")
+SQUASH = ("root_squash", "no_root_squash", "all_squash")
+MAX_LIMIT = 10**12
+
+# The provisioner's metadata keys, and the label each becomes.
+METADATA = {
+    "csi.storage.k8s.io/pvc/name": "csi.storage.k8s.io/pvc-name",
+    "csi.storage.k8s.io/pvc/namespace": "csi.storage.k8s.io/pvc-namespace",
+    "csi.storage.k8s.io/pv/name": "csi.storage.k8s.io/pv-name",
+}
+MUTABLE = ("squash", "iopsLimit", "bandwidthLimit")
+KNOWN = ("type", "nfsFsType", "fsType", "storageNode", *MUTABLE, *METADATA)
+BLOCK_FS_TYPES = ("ext4", "xfs")
+# The mutable keys as the storage node names them, by volume type.
+BACKEND_KEYS = {
+    "nbd": {"iopsLimit": "iops_limit", "bandwidthLimit": "bandwidth_limit"},
+    "nfs": {"squash": "squash"},
+}
+
+_SIZE = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+@dataclass(frozen=True)
+class VolumeParameters:
+    """A CreateVolume's parameters, checked."""
+
+    type: str | None = None  # None: chosen from the access type
+    nfs_fs_type: str = "xfs"
+    fs_type: str = ""  # nbd: the filesystem when the capability names none
+    storage_node: str | None = None
+    mutable: Mapping[str, str] = field(default_factory=dict)  # CSI keys, checked values
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise InvalidArgument(f"parameter {key}: {value[:40]!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _limit(key: str, value: str) -> str:
+    m = _SIZE.match(value.strip())
+    if not m:
+        raise InvalidArgument(
+            f"parameter {key}: {value[:40]!r} is not a whole number (Ki, Mi, Gi, Ti allowed)"
+        )
+    number = int(m.group(1)) * _UNITS[m.group(2)]
+    if number > MAX_LIMIT:
+        raise InvalidArgument(f"parameter {key}: {number} is above the maximum {MAX_LIMIT}")
+    return str(number)
+
+
+def check_mutable(params: Mapping[str, str], where: str = "mutable parameter") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        if key not in MUTABLE:
+            raise InvalidArgument(
+                f"{where} {key[:80]!r} is unknown or cannot change; mutable: {', '.join(MUTABLE)}"
+            )
+        out[key] = _choice(key, value, SQUASH) if key == "squash" else _limit(key, value)
+    return out
+
+
+def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParameters:
+    unknown = sorted(k for k in params if k not in KNOWN)
+    if unknown:
+        raise InvalidArgument(
+            f"unknown parameter {unknown[0][:80]!r}; known: {', '.join(sorted(KNOWN))}"
+        )
+    kind = _choice("type", params["type"], TYPES) if "type" in params else None
+    fs = _choice("nfsFsType", params.get("nfsFsType", "xfs"), FS_TYPES)
+    block_fs = _choice("fsType", params["fsType"], BLOCK_FS_TYPES) if "fsType" in params else ""
+    node = params.get("storageNode") or None
+    from_class = check_mutable({k: params[k] for k in MUTABLE if k in params}, "parameter")
+    from_request = check_mutable(mutable)
+    for key in set(from_class) & set(from_request):
+        if from_class[key] != from_request[key]:
+            raise InvalidArgument(
+                f"{key} is {params[key]!r} in the parameters but {mutable[key]!r} in the "
+                "mutable parameters"
+            )
+    labels = {METADATA[k]: params[k] for k in METADATA if k in params}
+    return VolumeParameters(
+        type=kind,
+        nfs_fs_type=fs,
+        fs_type=block_fs,
+        storage_node=node,
+        mutable={**from_class, **from_request},
+        labels=labels,
+    )
+
+
+def backend_parameters(kind: str, p: VolumeParameters) -> dict[str, str]:
+    """What the storage node is given at CreateVolume for a volume of ``kind``."""
+    wrong = sorted(k for k in p.mutable if k not in BACKEND_KEYS[kind])
+    if wrong:
+        raise InvalidArgument(f"{', '.join(wrong)} do not apply to an {kind} volume")
+    out = {BACKEND_KEYS[kind][k]: v for k, v in p.mutable.items()}
+    if kind == "nfs":
+        out["fs_type"] = p.nfs_fs_type
+        out.setdefault("squash", "root_squash")
+    else:
+        out = {k: v for k, v in out.items() if v != "0"}
+    return out
+
+
+def backend_mutable(kind: str, mutable: Mapping[str, str]) -> dict[str, str]:
+    """ControllerModifyVolume's parameters as the storage node names them."""
+    checked = check_mutable(mutable)
+    wrong = sorted(k for k in checked if k not in BACKEND_KEYS[kind])
+    if wrong:
+        raise InvalidArgument(f"{', '.join(wrong)} cannot be set on an {kind} volume")
+    return {BACKEND_KEYS[kind][k]: v for k, v in checked.items()}

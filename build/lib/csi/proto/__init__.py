@@ -1,0 +1,1 @@
+"""Generated CSI protobuf stubs (built from csi.proto, never committed)."""

@@ -1,0 +1,1 @@
+"""moorage: fuse package."""

@@ -1,0 +1,1 @@
+"""moorage: moorage package."""

@@ -1,0 +1,3 @@
+from moorage.cli import main
+
+main()

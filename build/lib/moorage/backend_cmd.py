@@ -1,0 +1,118 @@
+"""``moorage backend``: run a storage node and manage its pool."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+import typer
+
+from backend.daemon import DaemonConfig, run_daemon
+from backend.errors import BackendError
+from backend.poolinit import init_loop_pool, release_loop_pool
+from moorage.units import parse_size
+from nbd.server import tune_malloc
+
+app = typer.Typer(help="The storage node daemon and its pool.", no_args_is_help=True)
+pool_app = typer.Typer(help="Pool set-up.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
+log = logging.getLogger("moorage.backend")
+
+
+@app.command("serve")
+def serve(
+    data_dir: Path = typer.Option(..., "--data-dir", help="Catalog, ganesha files, socket."),
+    pool: Path | None = typer.Option(None, "--pool", help="Pool directory [DATA_DIR/pool]."),
+    listen: str | None = typer.Option(
+        None, "--listen", help="API address: unix:PATH [unix:DATA_DIR/backend.sock] or HOST:PORT."
+    ),
+    nbd_listen: str = typer.Option("127.0.0.1:10809", "--nbd-listen", help="NBD HOST:PORT."),
+    nbd_advertise: str | None = typer.Option(
+        None, "--nbd-advertise", help="NBD HOST:PORT given to clients."
+    ),
+    nfs_port: int = typer.Option(2049, "--nfs-port", help="ganesha's NFS port."),
+    mount_port: int = typer.Option(20048, "--mount-port", help="NFSv3 MOUNT port."),
+    nfs_bind: str = typer.Option("0.0.0.0", "--nfs-bind", help="ganesha's bind address."),
+    nfs_advertise: str | None = typer.Option(
+        None, "--nfs-advertise", help="NFS server address given to clients."
+    ),
+    db_url: str | None = typer.Option(
+        None, "--db-url", help="SQLAlchemy URL of the catalog [SQLite in DATA_DIR]."
+    ),
+    token_file: Path | None = typer.Option(None, "--token-file", help="API bearer token file."),
+    api_tls_cert: Path | None = typer.Option(None, "--api-tls-cert"),
+    api_tls_key: Path | None = typer.Option(None, "--api-tls-key"),
+    api_client_ca: Path | None = typer.Option(
+        None, "--api-client-ca", help="Require client certificates signed by this CA."
+    ),
+    nbd_tls_cert: Path | None = typer.Option(None, "--nbd-tls-cert"),
+    nbd_tls_key: Path | None = typer.Option(None, "--nbd-tls-key"),
+    grace_period: int = typer.Option(90, "--grace-period", help="NFSv4 grace period (s)."),
+    lease_lifetime: int = typer.Option(60, "--lease-lifetime", help="NFSv4 lease (s)."),
+    graceless: bool = typer.Option(False, "--graceless", help="Skip the NFSv4 grace period."),
+    overcommit: float = typer.Option(
+        1.0, "--overcommit", help="Thin provisioning: sizes may add up to pool x this."
+    ),
+    metrics_listen: str | None = typer.Option(
+        None, "--metrics-listen", help="Serve Prometheus metrics on HOST:PORT."
+    ),
+) -> None:
+    """Run the storage node: NFS through ganesha, NBD, and the backend API."""
+    config = DaemonConfig(
+        data_dir=data_dir,
+        pool_dir=pool,
+        listen=listen,
+        nbd_listen=nbd_listen,
+        nbd_advertise=nbd_advertise,
+        nfs_port=nfs_port,
+        mount_port=mount_port,
+        nfs_bind=nfs_bind,
+        nfs_advertise=nfs_advertise,
+        db_url=db_url,
+        token_file=token_file,
+        api_tls_cert=api_tls_cert,
+        api_tls_key=api_tls_key,
+        api_client_ca=api_client_ca,
+        nbd_tls_cert=nbd_tls_cert,
+        nbd_tls_key=nbd_tls_key,
+        grace_period=grace_period,
+        lease_lifetime=lease_lifetime,
+        graceless=graceless,
+        overcommit_ratio=overcommit,
+        metrics_listen=metrics_listen,
+    )
+    tune_malloc()
+    try:
+        trio.run(run_daemon, config)
+    except BackendError as e:
+        typer.echo(f"moorage backend serve: {e}", err=True)
+        raise typer.Exit(1) from e
+
+
+@pool_app.command("init")
+def pool_init(
+    directory: Path = typer.Argument(..., help="The pool directory to create and mount."),
+    loop_size: str = typer.Option(..., "--loop-size", help="Size of the pool image, e.g. 20G."),
+) -> None:
+    """Make a sparse xfs (reflink) image, loop-mount it on DIR, and record it."""
+    try:
+        size = parse_size(loop_size)
+        image = init_loop_pool(directory, size)
+    except (ValueError, BackendError) as e:
+        typer.echo(f"moorage backend pool init: {e}", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(f"pool {directory.resolve()} mounted from {image}")
+
+
+@pool_app.command("release")
+def pool_release(
+    directory: Path = typer.Argument(..., help="The pool directory."),
+) -> None:
+    """Unmount a loop pool and everything in it (the image stays)."""
+    try:
+        release_loop_pool(directory)
+    except BackendError as e:
+        typer.echo(f"moorage backend pool release: {e}", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(f"pool {directory.resolve()} released")

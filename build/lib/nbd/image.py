@@ -1,0 +1,230 @@
+"""Blocking I/O on the file (or block device) behind an export.
+
+Everything here is a plain system call; the transmission phase decides which
+calls run inline on the event loop (the ``*_nowait`` ones, which never block)
+and which go to a worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import time
+from pathlib import Path
+
+from nbd.iov import consume
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
+
+_ZERO_CHUNK = bytes(1 << 20)
+# An inline write slower than this pauses inline writes for the backoff.
+SLOW_INLINE_WRITE = 0.002
+# The same for a write made by a connection's reply thread.  Its time also
+# holds the wait for the GIL after the system call, up to Python's switch
+# interval (5 ms), so only a longer one means the kernel made it wait.
+SLOW_THREAD_WRITE = 0.010
+INLINE_WRITE_BACKOFF = 1.0
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if _fallocate(fd, mode, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class Image:
+    """An open image: size, reads, writes, holes and durability."""
+
+    def __init__(self, path: Path, read_only: bool) -> None:
+        flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
+        self.path = path
+        self.read_only = read_only
+        self.fd = os.open(path, flags)
+        try:
+            self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._nowait_reads = bool(_RWF_NOWAIT)
+        self._nowait_writes = bool(_RWF_NOWAIT)
+        self._blocking_writes_after = 0.0
+        self.can_punch = True
+        self.can_zero_range = True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # -- reads
+
+    def read_nowait(self, buf: memoryview, offset: int) -> int:
+        """Read from the page cache without blocking; bytes read (0: go to a thread)."""
+        if not self._nowait_reads:
+            return 0
+        try:
+            return os.preadv(self.fd, [buf], offset, _RWF_NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait_reads = False
+                return 0
+            raise
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], offset + done)
+            if n == 0:
+                # The image shrank under us: what is past its end reads as zeroes.
+                buf[done:] = bytes(len(buf) - done)
+                return
+            done += n
+
+    # -- writes
+
+    def write_nowait(self, data: memoryview, offset: int) -> int:
+        """Write into the page cache without blocking; bytes written (may be short)."""
+        if not self._nowait_writes:
+            return 0
+        try:
+            return os.pwritev(self.fd, [data], offset, _RWF_NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait_writes = False
+                return 0
+            raise
+
+    def write_inline(self, data: memoryview, offset: int) -> bool:
+        """Write into the page cache from the event loop; False: use a thread.
+
+        With RWF_NOWAIT the kernel says when a write would block.  Where the
+        filesystem does not support it for buffered writes (ext4), a plain
+        write is made and timed: one that took long (the kernel throttling
+        dirty pages) sends the writes of the next second to threads, so one
+        busy disk cannot stall every other connection for long.
+        """
+        if self._nowait_writes:
+            n = self.write_nowait(data, offset)
+            if n == len(data):
+                return True
+            if self._nowait_writes or n:
+                return False  # would block (or wrote part): a thread finishes it
+        if not self.may_write_inline():
+            return False
+        self.writev_timed([data], offset, SLOW_INLINE_WRITE)
+        return True
+
+    def may_write_inline(self) -> bool:
+        """False for a while after a write into the page cache was slow."""
+        return time.monotonic() >= self._blocking_writes_after
+
+    def writev_timed(self, views: list[memoryview], offset: int, slow: float | None = None) -> None:
+        """Adjacent buffers in one system call, timed: a slow write pauses inline writes.
+
+        The default threshold is for a connection's reply thread, whose time
+        also holds the wait for the GIL (``SLOW_THREAD_WRITE``).
+        """
+        now = time.monotonic()
+        views = list(views)
+        while views:
+            done = os.pwritev(self.fd, views, offset)
+            offset += done
+            consume(views, done)
+        if time.monotonic() - now > (SLOW_THREAD_WRITE if slow is None else slow):
+            self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
+
+    def write(self, data: memoryview, offset: int, fua: bool = False) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwritev(self.fd, [data[done:]], offset + done)
+        if fua:
+            os.fdatasync(self.fd)
+
+    def flush(self) -> None:
+        os.fdatasync(self.fd)
+
+    # -- holes and zeroes
+
+    def punch_hole(self, offset: int, length: int) -> None:
+        fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+
+    def zero(self, offset: int, length: int, may_trim: bool, fast: bool) -> bool:
+        """Make the range read as zeroes.  False if ``fast`` and that is not possible."""
+        if may_trim and self.can_punch:
+            try:
+                self.punch_hole(offset, length)
+                return True
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                self.can_punch = False
+        if self.can_zero_range:
+            try:
+                fallocate(self.fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, length)
+                return True
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                self.can_zero_range = False
+        if fast:
+            return False
+        end = offset + length
+        while offset < end:
+            n = min(len(_ZERO_CHUNK), end - offset)
+            os.pwrite(self.fd, _ZERO_CHUNK[:n], offset)
+            offset += n
+        return True
+
+    def advise_willneed(self, offset: int, length: int) -> None:
+        os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+    # -- allocation map
+
+    def extents(self, offset: int, length: int, limit: int = 1 << 20) -> list[tuple[int, bool]]:
+        """Data and hole runs covering [offset, offset+length): (length, is_hole) pairs.
+
+        Stops after ``limit`` runs; the runs then cover a prefix of the range.
+        """
+        end = min(offset + length, self.size)
+        runs: list[tuple[int, bool]] = []
+        pos = offset
+        while pos < end and len(runs) < limit:
+            try:
+                data = os.lseek(self.fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole from here to EOF
+                    runs.append((end - pos, True))
+                    break
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no hole support
+                    runs.append((end - pos, False))
+                    break
+                raise
+            if data > pos:
+                hole_end = min(data, end)
+                runs.append((hole_end - pos, True))
+                pos = hole_end
+                continue
+            try:
+                hole = os.lseek(self.fd, pos, os.SEEK_HOLE)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                hole = end
+            data_end = min(hole, end)
+            runs.append((data_end - pos, False))
+            pos = data_end
+        return runs

@@ -1,0 +1,17 @@
+"""TLS contexts for the NBD server (X.509, as NBD_OPT_STARTTLS uses)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+
+def server_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
+    """A server context; with ``client_ca`` clients must present a certificate it signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    if client_ca is not None:
+        ctx.load_verify_locations(cafile=str(client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

@@ -1,0 +1,497 @@
+"""The transmission phase: requests in, replies out, many in flight.
+
+One reader task parses requests.  A request that the page cache can answer
+without blocking (RWF_NOWAIT) is answered inline; anything that may block
+(a cold read, FUA, FLUSH, TRIM, ...) runs in a worker thread from a task of
+its own, so replies go out in whatever order they finish.  On a plain
+socket, large replies and large plain writes go to the connection's reply
+thread (``nbd.sender``), so copying their bytes overlaps with parsing the
+next request.  Either way there is a single writer on the socket.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import trio
+
+from nbd import codec
+from nbd.codec import ProtocolError, Request
+from nbd.constants import MAX_PAYLOAD, Command, CommandFlag, Errno
+from nbd.exports import ExportStats
+from nbd.handshake import BASE_ALLOCATION_ID, Session
+from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
+from nbd.throttle import Throttle
+from nbd.transport import Buffer, BufferPool, PeerClosed, ReplyQueue, Transport
+
+log = logging.getLogger("moorage.nbd")
+
+T = TypeVar("T")
+
+# Reads at least this long are checked for holes (structured replies only).
+HOLE_CHECK_MIN = 64 * 1024
+# Requests up to this size are tried inline on the event loop first.
+INLINE_MAX = 1024 * 1024
+# Most requests one connection may have in flight before we stop reading.
+MAX_IN_FLIGHT = 128
+# Most request data (read buffers, write payloads) one connection holds at once.
+MAX_BUFFERED = 4 * 1024 * 1024
+# The reader yields to other tasks at least once per this many requests (its
+# socket reads do not pass through trio's scheduler when data is waiting).
+YIELD_EVERY = 8
+# Most extents in one BLOCK_STATUS reply.
+MAX_EXTENTS = 4096
+
+_ALLOWED_FLAGS: dict[int, int] = {
+    Command.READ: CommandFlag.DF,
+    Command.WRITE: CommandFlag.FUA,
+    Command.DISC: 0,
+    Command.FLUSH: 0,
+    Command.TRIM: CommandFlag.FUA,
+    Command.CACHE: 0,
+    Command.WRITE_ZEROES: CommandFlag.FUA | CommandFlag.NO_HOLE | CommandFlag.FAST_ZERO,
+    Command.BLOCK_STATUS: CommandFlag.REQ_ONE,
+}
+
+_ERRNO_MAP = {
+    errno.EPERM: Errno.EPERM,
+    errno.EACCES: Errno.EPERM,
+    errno.EROFS: Errno.EPERM,
+    errno.ENOSPC: Errno.ENOSPC,
+    errno.EDQUOT: Errno.ENOSPC,
+    errno.EFBIG: Errno.ENOSPC,
+    errno.ENOMEM: Errno.ENOMEM,
+    errno.EINVAL: Errno.EINVAL,
+    errno.EOVERFLOW: Errno.EOVERFLOW,
+    errno.EOPNOTSUPP: Errno.ENOTSUP,
+    errno.ESHUTDOWN: Errno.ESHUTDOWN,
+}
+
+
+def wire_errno(e: OSError) -> Errno:
+    """Map a host errno to the small set of error values the protocol allows."""
+    return _ERRNO_MAP.get(e.errno or 0, Errno.EIO)
+
+
+class ByteBudget:
+    """A weighted semaphore: bytes one connection may hold for requests in flight."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def take(self, n: int) -> int:
+        """Wait for ``n`` bytes (a request larger than the budget takes all of it)."""
+        n = min(n, self.total)
+        while self.used + n > self.total:
+            await self._freed.wait()
+        self.used += n
+        return n
+
+    def give(self, n: int) -> None:
+        if n:
+            self.used -= n
+            freed, self._freed = self._freed, trio.Event()
+            freed.set()
+
+
+class RequestError(Exception):
+    def __init__(self, error: Errno, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class Transmission:
+    def __init__(
+        self,
+        transport: Transport,
+        session: Session,
+        io_limiter: trio.CapacityLimiter,
+        label: str,
+        shutting_down: Callable[[], bool],
+    ) -> None:
+        self.t = transport
+        self.s = session
+        self.image = session.image
+        self.limiter = io_limiter
+        self.label = label
+        self.shutting_down = shutting_down
+        self.reader_scope = trio.CancelScope()
+        sock = transport.socket
+        # A plain socket gets a reply thread; TLS and stdio streams are
+        # written through trio (their writes need the event loop).
+        self.replies: ReplyQueue | ThreadedReplies = (
+            ThreadedReplies(sock) if sock is not None else ReplyQueue(transport)
+        )
+        self._buffers = BufferPool()
+        self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+        self._budget = ByteBudget(MAX_BUFFERED)
+        self._stopping = False
+        self._awaiting_request = False
+        self.requests = 0
+        self.threaded = 0
+        # The export's I/O limits, shared with its other connections (set by
+        # the server once the connection is registered on the export).
+        self.throttle: Throttle | None = None
+        self.stats = ExportStats()  # the export's shared counters, once registered
+
+    def stop_reading(self) -> None:
+        """Read no more requests; those already read still get their replies.
+
+        Only a wait for the next request is interrupted: cancelling the reader
+        while it writes an inline reply would leave half a reply on the wire,
+        with the replies of other requests following it.
+        """
+        self._stopping = True
+        if self._awaiting_request:
+            self.reader_scope.cancel()
+
+    # ------------------------------------------------------------ replies
+
+    async def _send(self, parts: list[Buffer]) -> None:
+        await self.replies.put(parts)
+
+    async def _ok(self, req: Request) -> None:
+        await self._send([codec.encode_simple_reply(req.cookie)])
+
+    async def _fail(self, req: Request, error: Errno, message: str) -> None:
+        self.stats.errors += 1
+        log.debug("%s: request %s failed: %s %s", self.label, req, error.name, message)
+        if self.s.structured and req.type in (Command.READ, Command.BLOCK_STATUS):
+            await self._send([codec.encode_error_chunk(req.cookie, error, message)])
+        else:
+            await self._send([codec.encode_simple_reply(req.cookie, error)])
+
+    async def _thread(self, fn: Callable[..., T], *args: object) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    # ------------------------------------------------------------- reader
+
+    async def run(self) -> None:
+        """Serve until the client disconnects, errs, or the server shuts down."""
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._write_replies)
+                async with trio.open_nursery() as nursery:
+                    with self.reader_scope:
+                        await self._read_loop(nursery)
+                    # The nursery now waits for every request already read.
+                self.replies.close()  # the writer sends what is queued, then ends
+        finally:
+            self.image.close()
+
+    async def _write_replies(self) -> None:
+        try:
+            await self.replies.run()
+        except PeerClosed:
+            log.debug("%s: client stopped taking replies", self.label)
+            self.reader_scope.cancel()
+
+    async def _read_loop(self, nursery: trio.Nursery) -> None:
+        while not self._stopping:
+            self._awaiting_request = True
+            try:
+                header = await self.t.recv_exact(codec.REQUEST.size)
+            except PeerClosed:
+                log.debug("%s: client went away", self.label)
+                return
+            finally:
+                self._awaiting_request = False
+            try:
+                req = codec.decode_request(header)
+            except ProtocolError as e:
+                log.warning("%s: %s; closing connection", self.label, e)
+                return
+            self.requests += 1
+            if not self.requests % YIELD_EVERY:
+                await trio.lowlevel.checkpoint()
+            if req.type == Command.DISC:
+                log.debug("%s: soft disconnect", self.label)
+                return
+            stats = self.stats
+            stats.requests += 1
+            if req.type == Command.READ:
+                stats.read_bytes += req.length
+            elif req.type == Command.WRITE:
+                stats.written_bytes += req.length
+            if self.throttle is not None and not self.throttle.unlimited:
+                moved = req.length if req.type in (Command.READ, Command.WRITE) else 0
+                await self.throttle.admit(moved)
+            # Bound the request data one connection holds in memory at once.
+            cost = 0
+            if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:
+                cost = await self._budget.take(req.length)
+            handed_off = False
+            payload: bytearray | None = None
+            try:
+                if req.type == Command.WRITE:
+                    if req.length > MAX_PAYLOAD:
+                        try:
+                            await self.t.discard(req.length)
+                        except PeerClosed:
+                            return
+                        await self._fail(req, Errno.EINVAL, "write payload exceeds maximum")
+                        continue
+                    payload = self._buffers.get(req.length)
+                    try:
+                        await self.t.recv_into(memoryview(payload))
+                    except PeerClosed:
+                        log.warning("%s: client went away in the middle of a write", self.label)
+                        return
+                error = self._validate(req)
+                if error is not None:
+                    await self._fail(req, *error)
+                    continue
+                if payload is not None and await self._try_write_in_sender(req, payload):
+                    payload = None  # the reply thread puts it back in the pool
+                    continue
+                if await self._try_inline(req, payload):
+                    continue
+                await self._in_flight.acquire()
+                self.threaded += 1
+                nursery.start_soon(self._handle, req, payload, cost)
+                handed_off = True
+            finally:
+                if not handed_off:
+                    self._budget.give(cost)
+                    if payload is not None:
+                        self._buffers.put(payload)
+
+    def _validate(self, req: Request) -> tuple[Errno, str] | None:
+        if self.shutting_down():
+            return Errno.ESHUTDOWN, "server is shutting down"
+        allowed = _ALLOWED_FLAGS.get(req.type)
+        if allowed is None:
+            return Errno.EINVAL, f"unknown command {req.type}"
+        if req.flags & ~int(allowed):
+            return Errno.EINVAL, f"flags {req.flags:#x} not valid for command {req.type}"
+        if req.flags & CommandFlag.DF and not self.s.structured:
+            return Errno.EINVAL, "DF without structured replies"
+        if req.type == Command.BLOCK_STATUS and not self.s.base_allocation:
+            return Errno.EINVAL, "no meta context negotiated"
+        if req.type == Command.FLUSH:
+            if req.offset or req.length:
+                return Errno.EINVAL, "FLUSH with offset or length"
+            return None
+        ro = self.s.export.read_only
+        if ro and req.type in (Command.WRITE, Command.TRIM, Command.WRITE_ZEROES):
+            return Errno.EPERM, "export is read-only"
+        if req.length == 0:
+            return Errno.EINVAL, "zero-length request"
+        if req.type == Command.READ and req.length > MAX_PAYLOAD:
+            return Errno.EINVAL, "read longer than maximum payload"
+        size = self.image.size
+        if req.offset > size or req.length > size - req.offset:
+            if req.type in (Command.WRITE, Command.WRITE_ZEROES):
+                return Errno.ENOSPC, "beyond end of export"
+            return Errno.EINVAL, "beyond end of export"
+        mbs = self.s.export.min_block_size
+        aligned = not (req.offset % mbs or req.length % mbs)
+        # TRIM is advisory: an unaligned one is shrunk to aligned blocks instead.
+        if not aligned and req.type in (Command.READ, Command.WRITE):
+            return Errno.EINVAL, f"not aligned to {mbs} bytes"
+        return None
+
+    # ------------------------------------------------------ inline fast path
+
+    async def _try_write_in_sender(self, req: Request, payload: bytearray) -> bool:
+        """Leave a plain write to the reply thread, which writes, then answers.
+
+        Only while writes into the page cache are quick (a slow one sends the
+        writes of the next second to worker threads instead), so a reply
+        queued behind a write does not wait for a disk.
+        """
+        replies = self.replies
+        if (
+            not isinstance(replies, ThreadedReplies)
+            or req.type != Command.WRITE
+            or len(payload) <= DIRECT_MAX  # cheaper inline than handed over
+            or req.flags
+            or not self.image.may_write_inline()
+        ):
+            return False
+        label, pool = self.label, self._buffers
+
+        def fail(e: OSError) -> bytes:
+            log.warning("%s: I/O error on %s: %s", label, req, e)
+            return codec.encode_simple_reply(req.cookie, wire_errno(e))
+
+        job = WriteJob(
+            self.image.writev_timed,
+            req.offset,
+            memoryview(payload),
+            codec.encode_simple_reply(req.cookie),
+            fail,
+        )
+        await replies.put_write(job, functools.partial(pool.put, payload))
+        return True
+
+    async def _try_inline(self, req: Request, payload: bytearray | None) -> bool:
+        """Answer without blocking if the page cache allows; False if a thread is needed.
+
+        A read or write that completes only in part is redone whole in a
+        thread: it has not been acknowledged, so doing it again is harmless.
+        """
+        if req.length > INLINE_MAX:
+            return False
+        try:
+            if req.type == Command.READ:
+                extents = None
+                if self.s.structured and req.length >= HOLE_CHECK_MIN and not req.flags:
+                    # SEEK_DATA/SEEK_HOLE only walk the extent map: cheap enough inline.
+                    extents = self.image.extents(req.offset, req.length, limit=64)
+                all_hole = extents is not None and len(extents) == 1 and extents[0][1]
+                if all_hole:
+                    await self._send_read(req, bytearray(req.length), extents)
+                    return True
+                buf = self._buffers.get(req.length)
+                if self.image.read_nowait(memoryview(buf), req.offset) != req.length:
+                    self._buffers.put(buf)
+                    return False
+                await self._send_read(req, buf, extents, lambda: self._buffers.put(buf))
+                return True
+            if req.type == Command.WRITE and payload is not None and not req.flags:
+                if not self.image.write_inline(memoryview(payload), req.offset):
+                    return False
+                await self._ok(req)
+                return True
+        except OSError as e:
+            await self._fail(req, wire_errno(e), e.strerror or str(e))
+            return True
+        return False
+
+    # ------------------------------------------------------ threaded path
+
+    async def _handle(self, req: Request, payload: bytearray | None, cost: int) -> None:
+        try:
+            await self._dispatch(req, payload)
+        except RequestError as e:
+            await self._fail(req, e.error, str(e))
+        except OSError as e:
+            log.warning("%s: I/O error on %s: %s", self.label, req, e)
+            await self._fail(req, wire_errno(e), e.strerror or str(e))
+        finally:
+            self._in_flight.release()
+            self._budget.give(cost)
+            if payload is not None:
+                self._buffers.put(payload)
+
+    async def _dispatch(self, req: Request, payload: bytearray | None) -> None:
+        image = self.image
+        fua = bool(req.flags & CommandFlag.FUA)
+        match req.type:
+            case Command.READ:
+                await self._read(req)
+            case Command.WRITE:
+                assert payload is not None
+                await self._thread(image.write, memoryview(payload), req.offset, fua)
+                await self._ok(req)
+            case Command.FLUSH:
+                await self._thread(image.flush)
+                await self._ok(req)
+            case Command.TRIM:
+                await self._thread(self._trim, req.offset, req.length, fua)
+                await self._ok(req)
+            case Command.WRITE_ZEROES:
+                done = await self._thread(
+                    self._zero,
+                    req.offset,
+                    req.length,
+                    not req.flags & CommandFlag.NO_HOLE,
+                    bool(req.flags & CommandFlag.FAST_ZERO),
+                    fua,
+                )
+                if not done:
+                    raise RequestError(Errno.ENOTSUP, "cannot zero this range fast")
+                await self._ok(req)
+            case Command.CACHE:
+                await self._thread(image.advise_willneed, req.offset, req.length)
+                await self._ok(req)
+            case Command.BLOCK_STATUS:
+                await self._block_status(req)
+            case _:  # pragma: no cover - _validate refuses unknown commands
+                raise RequestError(Errno.EINVAL, f"unknown command {req.type}")
+
+    def _trim(self, offset: int, length: int, fua: bool) -> None:
+        mbs = self.s.export.min_block_size
+        start = -(-offset // mbs) * mbs
+        end = (offset + length) // mbs * mbs
+        try:
+            if end > start:
+                self.image.punch_hole(start, end - start)
+        except OSError as e:
+            # TRIM is advisory: a backing store without holes simply keeps the data.
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        if fua:
+            self.image.flush()
+
+    def _zero(self, offset: int, length: int, may_trim: bool, fast: bool, fua: bool) -> bool:
+        if not self.image.zero(offset, length, may_trim, fast):
+            return False
+        if fua:
+            self.image.flush()
+        return True
+
+    async def _read(self, req: Request) -> None:
+        image = self.image
+        extents: list[tuple[int, bool]] | None = None
+        want_holes = self.s.structured and req.length >= HOLE_CHECK_MIN and not req.flags
+
+        def work() -> tuple[bytearray, list[tuple[int, bool]] | None]:
+            runs = image.extents(req.offset, req.length) if want_holes else None
+            buf = bytearray(req.length)
+            if runs is not None and len(runs) == 1 and runs[0][1]:
+                return buf, runs  # all hole: nothing to read
+            image.read_into(memoryview(buf), req.offset)
+            return buf, runs
+
+        buf, extents = await self._thread(work)
+        await self._send_read(req, buf, extents)
+
+    async def _send_read(
+        self,
+        req: Request,
+        buf: bytearray,
+        extents: list[tuple[int, bool]] | None,
+        sent: Callable[[], None] | None = None,
+    ) -> None:
+        cookie = req.cookie
+        if not self.s.structured:
+            await self.replies.put([codec.encode_simple_reply(cookie), buf], sent)
+            return
+        if (
+            extents is None
+            or not any(hole for _, hole in extents)
+            or sum(n for n, _ in extents) != len(buf)
+        ):
+            header = codec.encode_offset_data_header(cookie, req.offset, len(buf), True)
+            await self.replies.put([header, buf], sent)
+            return
+        parts: list[Buffer] = []
+        view = memoryview(buf)
+        pos = 0
+        for i, (length, hole) in enumerate(extents):
+            last = i == len(extents) - 1
+            offset = req.offset + pos
+            if hole:
+                parts.append(codec.encode_offset_hole(cookie, offset, length, last))
+            else:
+                parts.append(codec.encode_offset_data_header(cookie, offset, length, last))
+                parts.append(view[pos : pos + length])
+            pos += length
+        await self.replies.put(parts, sent)
+
+    async def _block_status(self, req: Request) -> None:
+        limit = 1 if req.flags & CommandFlag.REQ_ONE else MAX_EXTENTS
+        runs = await self._thread(self.image.extents, req.offset, req.length, limit)
+        extents = [(length, 0 if not hole else int(_HOLE_ZERO)) for length, hole in runs]
+        await self._send([codec.encode_block_status(req.cookie, BASE_ALLOCATION_ID, extents)])
+
+
+_HOLE_ZERO = 0b11  # NBD_STATE_HOLE | NBD_STATE_ZERO
