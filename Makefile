@@ -19,6 +19,10 @@ HELM_VERSION := v3.19.0
 HELM := $(TOOLS_DIR)/helm-$(HELM_VERSION)/helm
 export MOORAGE_HELM := $(HELM)
 export MOORAGE_GO := $(GO)
+# Kubernetes for the e2e cluster, from its own Go module (1.34: the last
+# release that runs on cgroup v1 without an opt-out).
+KUBERNETES_VERSION := v1.34.4
+KUBE_BIN := $(TOOLS_DIR)/kubernetes-$(KUBERNETES_VERSION)
 # The container image, kept outside the tree and named by a digest of what
 # goes into it, so it is rebuilt only when that changes.
 IMAGE_REF := moorage:0.1.0
@@ -29,7 +33,7 @@ export MOORAGE_IMAGE_REF := $(IMAGE_REF)
 # The namespace the plain manifests in deploy/kubernetes are rendered for.
 MANIFESTS_NAMESPACE := moorage-system
 
-.PHONY: all demo test lint typecheck unit bench host proto tools manifests image clean
+.PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-tools clean
 
 all: test
 
@@ -64,6 +68,14 @@ $(IMAGE): | proto
 	bash deploy/image/build.sh $@ $(IMAGE_REF) $(PY)
 
 image: host proto $(IMAGE)
+
+$(KUBE_BIN)/kubelet:
+	@test -x "$(GO)" || { echo "make: Go is needed to build Kubernetes (not found)"; exit 1; }
+	bash deploy/e2e/build-kubernetes.sh $(KUBERNETES_VERSION) $(KUBE_BIN).partial $(GO)
+	rm -rf $(KUBE_BIN) && mv $(KUBE_BIN).partial $(KUBE_BIN)
+
+# The e2e cluster's tools (the cluster itself is not built yet: issue 12).
+e2e-tools: $(KUBE_BIN)/kubelet $(HELM)
 
 # The plain manifests are the chart rendered with its default values; a test
 # fails when they and the chart disagree.
