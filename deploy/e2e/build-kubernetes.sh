@@ -37,8 +37,16 @@ package tools
 
 import _ "k8s.io/kubernetes/cmd/kubelet"
 GO
+# The version the components report (kubelet puts it in its Node object,
+# kubectl and the API server compare theirs): what a release build stamps.
+minor=${version#v1.}; minor=${minor%%.*}
+ldflags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
 mkdir -p "$out"
-(cd "$work" && "$go" mod tidy >/dev/null && "$go" build -trimpath -o "$out/" \
+(cd "$work" && "$go" mod tidy >/dev/null && "$go" build -trimpath -ldflags "$ldflags" -o "$out/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
