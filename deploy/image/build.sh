@@ -21,7 +21,11 @@ trap 'rm -rf "$work"' EXIT
 export PIP_CONFIG_FILE=/dev/null
 unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_NO_INDEX
 
-"$python" -m pip wheel -q --wheel-dir "$work/wheels" -c "$here/constraints.txt" "$repo[fuse]"
+# built from a copy: setuptools writes build/ into the tree it builds
+mkdir "$work/src"
+tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./.moorage \
+    --exclude='*.egg-info' --exclude='__pycache__' -cf - . | tar -C "$work/src" -xf -
+"$python" -m pip wheel -q --wheel-dir "$work/wheels" -c "$here/constraints.txt" "$work/src[fuse]"
 
 mmdebstrap --variant=minbase --mode=root --format=tar --quiet \
   --include=python3,python3-venv,nfs-ganesha,nfs-ganesha-vfs,rpcbind,libnbd0,libnbd-bin,libnfs13,libnfs-utils,fuse3,e2fsprogs,xfsprogs,util-linux,mount,kmod,ca-certificates \

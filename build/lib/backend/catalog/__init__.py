@@ -1,1 +1,0 @@
-"""The catalog: what volumes, snapshots and publications exist (the source of truth)."""

@@ -1,1 +1,0 @@
-"""Alembic environment and revisions of the catalog schema (run by ``Catalog.migrate``)."""

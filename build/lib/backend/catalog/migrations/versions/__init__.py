@@ -1,1 +1,0 @@
-"""Catalog schema revisions, oldest first by down_revision."""

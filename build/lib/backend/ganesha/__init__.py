@@ -1,1 +1,0 @@
-"""nfs-ganesha: configuration model, files and process supervision."""

@@ -1,1 +1,0 @@
-"""moorage: csi package."""

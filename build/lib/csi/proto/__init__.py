@@ -1,1 +1,0 @@
-"""Generated CSI protobuf stubs (built from csi.proto, never committed)."""

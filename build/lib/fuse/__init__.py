@@ -1,1 +1,0 @@
-"""moorage: fuse package."""

@@ -1,1 +1,0 @@
-"""moorage: moorage package."""

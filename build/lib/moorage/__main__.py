@@ -1,3 +1,0 @@
-from moorage.cli import main
-
-main()
