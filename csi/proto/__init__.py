@@ -1,1 +1,2 @@
-"""Generated CSI protobuf stubs (built from csi.proto, never committed)."""
+"""Generated protobuf stubs, built from csi.proto (CSI) and pluginregistration.proto
+(kubelet's plugin registration), never committed."""
