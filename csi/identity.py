@@ -14,6 +14,8 @@ from csi.server import DRIVER_NAME
 from csi.storagenodes import StorageNodes
 
 PluginCap = pb.PluginCapability
+# Trailing metadata of a Probe that is not ready: one entry per reason.
+NOT_READY_METADATA = "moorage-not-ready"
 log = logging.getLogger("moorage.csi.identity")
 
 
@@ -69,6 +71,6 @@ class IdentityService(pb_grpc.IdentityServicer):
             log.warning("not ready: %s", h.message)
         if down:
             context.set_trailing_metadata(
-                tuple(("moorage-not-ready", h.message[:500]) for h in down)
+                tuple((NOT_READY_METADATA, h.message[:500]) for h in down)
             )
         return pb.ProbeResponse(ready=wrappers_pb2.BoolValue(value=not down))

@@ -180,15 +180,21 @@ def start_server(
     return RunningServer(server, path)
 
 
-def start_metrics(address: str, registry: CollectorRegistry | None = None) -> None:
-    """Prometheus metrics over HTTP on HOST:PORT (a daemon thread)."""
+def host_port(address: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT`` too; no host: every address) as host and port."""
     host, colon, port = address.rpartition(":")
     if not colon or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EndpointError(f"metrics address {address[:80]!r} is not HOST:PORT")
-    kwargs: dict[str, Any] = {"addr": host.strip("[]") or "0.0.0.0"}
+        raise EndpointError(f"{what} {address[:80]!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def start_metrics(address: str, registry: CollectorRegistry | None = None) -> None:
+    """Prometheus metrics over HTTP on HOST:PORT (a daemon thread)."""
+    host, port = host_port(address, "metrics address")
+    kwargs: dict[str, Any] = {"addr": host}
     if registry is not None:
         kwargs["registry"] = registry
-    start_http_server(int(port), **kwargs)
+    start_http_server(port, **kwargs)
     log.info("metrics on http://%s/metrics", address)
 
 
