@@ -1,0 +1,189 @@
+"""The node plugin doing the sidecars' two jobs itself: kubelet registration and /healthz.
+
+A real ``moorage csi serve`` process with ``--registration-dir`` under a
+temporary directory standing in for kubelet's ``plugins_registry``; this test
+plays kubelet's part on the registration socket (Kubernetes' pluginregistration
+v1: GetInfo, then NotifyRegistrationStatus) and the livenessProbe's on
+``--health-address``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi.proto import pluginregistration_pb2 as reg
+from csi.proto import pluginregistration_pb2_grpc as reg_grpc
+from tests.conftest import free_port
+from tests.csi_plugin import CsiPlugin, write_config
+
+# The CSI socket's path as the host (kubelet) sees it: not where the test's plugin listens.
+HOST_PATH = "/var/lib/kubelet/plugins/csi.moorage.dev/csi.sock"
+SOCKET_NAME = "csi.moorage.dev-reg.sock"
+
+
+def registering_plugin(root: Path, *extra: str) -> CsiPlugin:
+    """A node plugin told to register itself through ``root/registry``."""
+    registry = root / "registry"
+    registry.mkdir(parents=True, exist_ok=True)
+    args = ["--registration-dir", str(registry), "--kubelet-registration-path", HOST_PATH]
+    return CsiPlugin(root, "node", extra_args=[*args, *extra])
+
+
+def registration_socket(plugin: CsiPlugin) -> Path:
+    return plugin.root / "registry" / SOCKET_NAME
+
+
+def kubelet_stub(plugin: CsiPlugin) -> tuple[grpc.Channel, reg_grpc.RegistrationStub]:
+    channel = grpc.insecure_channel(f"unix://{registration_socket(plugin)}")
+    return channel, reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[CsiPlugin]:
+    started = registering_plugin(tmp_path).start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+# ------------------------------------------------------------ registration
+
+
+def test_kubelet_learns_the_driver_and_the_csi_socket_on_the_host(plugin: CsiPlugin) -> None:
+    channel, stub = kubelet_stub(plugin)
+    with channel:
+        info = stub.GetInfo(reg.InfoRequest(), timeout=10)
+    assert info.type == "CSIPlugin"
+    assert info.name == "csi.moorage.dev"
+    assert info.endpoint == HOST_PATH
+    assert list(info.supported_versions) == ["1.0.0"]
+
+
+def test_the_registration_socket_is_private_and_alone_in_the_registry(
+    plugin: CsiPlugin,
+) -> None:
+    st = registration_socket(plugin).lstat()
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    # the directory it was bound in before the rename is gone
+    assert os.listdir(plugin.root / "registry") == [SOCKET_NAME]
+
+
+def test_a_successful_registration_keeps_the_plugin_serving(plugin: CsiPlugin) -> None:
+    channel, stub = kubelet_stub(plugin)
+    with channel:
+        stub.GetInfo(reg.InfoRequest(), timeout=10)
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
+        assert plugin.proc is not None
+        with pytest.raises(subprocess.TimeoutExpired):
+            plugin.proc.wait(2)
+        assert plugin.answers()
+        stub.GetInfo(reg.InfoRequest(), timeout=10)  # still there for kubelet
+    assert "kubelet registered csi.moorage.dev" in plugin.log_text()
+
+
+def test_a_refused_registration_stops_the_plugin_with_an_error(plugin: CsiPlugin) -> None:
+    channel, stub = kubelet_stub(plugin)
+    refusal = reg.RegistrationStatus(plugin_registered=False, error="driver name taken")
+    with channel:
+        stub.NotifyRegistrationStatus(refusal, timeout=10)  # answered before it stops
+    assert plugin.proc is not None
+    status = plugin.proc.wait(30)
+    assert status == 1, plugin.log_text()
+    assert "kubelet refused to register csi.moorage.dev: driver name taken" in plugin.log_text()
+    assert not registration_socket(plugin).exists()
+    assert not plugin.socket.exists()
+
+
+def test_sigterm_removes_the_registration_socket(plugin: CsiPlugin) -> None:
+    assert registration_socket(plugin).exists()
+    assert plugin.stop() == 0
+    assert not registration_socket(plugin).exists()
+    assert os.listdir(plugin.root / "registry") == []
+
+
+def test_a_stale_socket_and_a_half_made_one_are_replaced(tmp_path: Path) -> None:
+    stale_plugin = registering_plugin(tmp_path)
+    path = registration_socket(stale_plugin)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # a socket file nobody serves, as a killed plugin leaves
+    half_made = tmp_path / "registry" / ".moorage-reg-abcd1234"
+    half_made.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(half_made / "s"))  # killed between bind and rename
+    stale_plugin.start()
+    try:
+        channel, stub = kubelet_stub(stale_plugin)
+        with channel:
+            assert stub.GetInfo(reg.InfoRequest(), timeout=10).endpoint == HOST_PATH
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+        assert os.listdir(tmp_path / "registry") == [SOCKET_NAME]
+    finally:
+        stale_plugin.stop()
+
+
+def test_a_registration_socket_another_plugin_serves_is_refused(
+    plugin: CsiPlugin, tmp_path: Path
+) -> None:
+    second = registering_plugin(tmp_path / "second")
+    second.extra_args[1] = str(plugin.root / "registry")  # the first one's registry
+    result = subprocess.run(second.argv(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    assert "another process is serving" in result.stderr.strip().splitlines()[-1]
+    assert not second.socket.exists()  # what it had started is stopped again
+    channel, stub = kubelet_stub(plugin)
+    with channel:
+        assert stub.GetInfo(reg.InfoRequest(), timeout=10).name == "csi.moorage.dev"
+
+
+# ------------------------------------------------------------------ healthz
+
+
+def test_healthz_is_ok_while_the_plugin_serves_and_404_elsewhere(tmp_path: Path) -> None:
+    port = free_port()
+    node = CsiPlugin(tmp_path, "node", extra_args=["--health-address", f"127.0.0.1:{port}"])
+    node.start()
+    try:
+        assert http_get(port, "/healthz") == (200, "ok")
+        assert http_get(port, "/metrics")[0] == 404
+        assert http_get(port, "/")[0] == 404
+    finally:
+        node.stop()
+    # the Probe goes through the plugin's socket: the log has the call
+    assert "Probe" in node.log_text()
+
+
+def test_healthz_is_500_with_the_reason_when_probe_is_not_ready(tmp_path: Path) -> None:
+    # a controller whose one storage node does not answer: Probe says not ready
+    gone = tmp_path / "no-storage-node.sock"
+    config = write_config(tmp_path / "csi.toml", [{"name": "sn-gone", "address": f"unix:{gone}"}])
+    port = free_port()
+    controller = CsiPlugin(
+        tmp_path, "controller", config, extra_args=["--health-address", f"127.0.0.1:{port}"]
+    )
+    controller.start()
+    try:
+        status, body = http_get(port, "/healthz")
+        assert status == 500
+        assert body.startswith("not ready: storage node sn-gone"), body
+    finally:
+        controller.stop()
