@@ -45,6 +45,16 @@ NON_DEFAULT = {
     "metrics": {"serviceMonitor": {"enabled": True}},
     "storageNode": {"topology": {"topology.csi.moorage.dev/zone": "a"}, "loopPoolSize": ""},
 }
+# Neither helper sidecar: the plugin registers itself and serves its own /healthz.
+NO_SIDECARS = {
+    "kubeletDir": "/data/kubelet",
+    "sidecars": {"registrar": False, "livenessprobe": False},
+}
+# Flags by which a container listens on a port (the last ":"-part of the value).
+LISTEN_FLAGS = {
+    "--http-endpoint", "--metrics-address", "--health-address",  # sidecars and the plugin
+    "--listen", "--nbd-listen", "--nfs-port", "--mount-port", "--metrics-listen",  # storage node
+}  # fmt: skip
 
 
 def helm() -> str:
@@ -97,10 +107,17 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return objects(render(NON_DEFAULT, tmp_path_factory.mktemp("custom")))
 
 
+@pytest.fixture(scope="module")
+def no_sidecars(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return objects(render(NO_SIDECARS, tmp_path_factory.mktemp("no-sidecars")))
+
+
 # ------------------------------------------------------------ the chart itself
 
 
-@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])
+@pytest.mark.parametrize(
+    "values", [None, NON_DEFAULT, NO_SIDECARS], ids=["default", "non-default", "no-sidecars"]
+)
 def test_helm_lint_passes(values: dict[str, Any] | None, tmp_path: Path) -> None:
     extra = []
     if values is not None:
@@ -127,10 +144,11 @@ def validate(docs: Iterator[dict[str, Any]] | list[dict[str, Any]], where: str) 
 
 
 def test_every_object_passes_the_kubernetes_schemas(
-    default: list[dict[str, Any]], custom: list[dict[str, Any]]
+    default: list[dict[str, Any]], custom: list[dict[str, Any]], no_sidecars: list[dict[str, Any]]
 ) -> None:
     validate(default, "chart (default values)")
     validate(custom, "chart (non-default values)")
+    validate(no_sidecars, "chart (no helper sidecars)")
     for example in EXAMPLES:
         validate(objects(example.read_text()), example.name)
     assert len(EXAMPLES) == 7
@@ -173,17 +191,103 @@ def test_socket_paths_agree_between_registrar_plugin_and_kubelet(
     assert env["MOORAGE_FUSE_CGROUP"]["value"] == "moorage-fuse"
 
 
+def pod_images(objs: list[dict[str, Any]]) -> set[str]:
+    images = set()
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "DaemonSet"):
+            spec = obj["spec"]["template"]["spec"]
+            images |= {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    return images
+
+
 def test_images_are_pinned_in_one_place(default: list[dict[str, Any]]) -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     pinned = {f"{i['repository']}:{i['tag']}" for i in values["images"].values() if "tag" in i}
-    used = set()
-    for obj in default:
-        if obj["kind"] in ("Deployment", "DaemonSet"):
-            spec = obj["spec"]["template"]["spec"]
-            used |= {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    used = pod_images(default)
     assert used <= pinned, used - pinned
     assert all(":" in image and not image.endswith(":latest") for image in used), used
     assert len(used) == 7  # moorage and six sidecars
+
+
+def flag(c: dict[str, Any], name: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in c.get("args", []) if a.startswith(name + "=")]
+    assert len(values) <= 1, f"{c['name']}: {name} given {len(values)} times"
+    return values[0] if values else None
+
+
+def test_without_the_sidecars_the_node_plugin_registers_itself(
+    no_sidecars: list[dict[str, Any]],
+) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["images"]
+    sidecar_images = {
+        f"{values[k]['repository']}:{values[k]['tag']}" for k in ("registrar", "livenessprobe")
+    }
+    assert not pod_images(no_sidecars) & sidecar_images
+    assert len(pod_images(no_sidecars)) == 5  # moorage and the four controller sidecars
+    node = find(no_sidecars, "DaemonSet", "moorage-node")
+    spec = node["spec"]["template"]["spec"]
+    assert [c["name"] for c in spec["containers"]] == ["moorage"]
+    plugin = container(node, "moorage")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in plugin["volumeMounts"]}
+    # the registration socket goes where kubelet watches, on the host
+    assert flag(plugin, "--registration-dir") == mounts["registration-dir"] == "/registration"
+    assert volumes["registration-dir"]["hostPath"]["path"] == "/data/kubelet/plugins_registry"
+    # kubelet is told the host's path of the socket the plugin serves in /csi
+    host_socket = flag(plugin, "--kubelet-registration-path")
+    assert host_socket == "/data/kubelet/plugins/csi.moorage.dev/csi.sock"
+    assert host_socket == volumes["plugin-dir"]["hostPath"]["path"] + "/csi.sock"
+    assert flag(plugin, "--endpoint") == "unix://" + mounts["plugin-dir"] + "/csi.sock"
+
+
+@pytest.mark.parametrize("registrar", [True, False], ids=["registrar", "no-registrar"])
+@pytest.mark.parametrize("probe", [True, False], ids=["livenessprobe", "no-livenessprobe"])
+def test_each_sidecar_or_the_plugin_does_its_job_never_both(
+    registrar: bool, probe: bool, tmp_path: Path
+) -> None:
+    objs = objects(render({"sidecars": {"registrar": registrar, "livenessprobe": probe}}, tmp_path))
+    node = find(objs, "DaemonSet", "moorage-node")
+    names = [c["name"] for c in node["spec"]["template"]["spec"]["containers"]]
+    assert ("node-driver-registrar" in names) is registrar
+    plugin = container(node, "moorage")
+    assert (flag(plugin, "--registration-dir") is None) is registrar
+    assert (flag(plugin, "--kubelet-registration-path") is None) is registrar
+    assert ("registration-dir" in {m["name"] for m in plugin["volumeMounts"]}) is not registrar
+    for owner in (node, find(objs, "Deployment", "moorage-controller")):
+        spec = owner["spec"]["template"]["spec"]
+        plugin = container(owner, "moorage")
+        # the port the plugin container's livenessProbe calls ...
+        port = plugin["livenessProbe"]["httpGet"]["port"]
+        port = next(p["containerPort"] for p in plugin["ports"] if p["name"] == port)
+        # ... is served by the livenessprobe sidecar, or by the plugin itself
+        sidecars = [c for c in spec["containers"] if c["name"] == "liveness-probe"]
+        assert len(sidecars) == (1 if probe else 0), owner["metadata"]["name"]
+        if probe:
+            assert flag(sidecars[0], "--http-endpoint") == f":{port}"
+            assert flag(plugin, "--health-address") is None
+        else:
+            assert flag(plugin, "--health-address") == f"0.0.0.0:{port}"
+
+
+@pytest.mark.parametrize("values", [None, NO_SIDECARS], ids=["default", "no-sidecars"])
+def test_ports_on_the_host_network_do_not_clash(
+    values: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    owners: dict[int, list[str]] = {}
+    for obj in objects(render(values, tmp_path)):
+        if obj["kind"] != "DaemonSet":
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        assert spec.get("hostNetwork") is True, obj["metadata"]["name"]
+        for c in spec["containers"]:
+            for name in LISTEN_FLAGS:
+                value = flag(c, name)
+                if value is not None:
+                    port = int(value.rsplit(":", 1)[-1])
+                    owners.setdefault(port, []).append(f"{c['name']} {name}")
+    clashes = {port: who for port, who in owners.items() if len(who) > 1}
+    assert not clashes, clashes
+    assert {9809, 9899, 7443, 10809, 2049, 20048, 9810} <= owners.keys()
 
 
 def sidecar_rules(kind: str, values: dict[str, Any]) -> list[dict[str, Any]]:
