@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "mount": ("moorage.attach_cmd", "mount_app", "group"),
     "unmount": ("moorage.attach_cmd", "unmount", "command"),
     "csi": ("moorage.csi_cmd", "app", "group"),
+    "dev": ("moorage.dev_cmd", "app", "group"),
 }
 
 

@@ -1,0 +1,128 @@
+"""Leave nothing behind: processes, mounts, loop devices, cgroups, namespaces.
+
+Used by ``down`` after the graceful part (workloads, claims and the chart
+removed through the API) whether or not that part worked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: cgroups the cluster makes: kubelet's pods and moorage's FUSE daemons
+CGROUPS = ("kubepods", "moorage-fuse")
+
+
+def _pids_in(cgroup: str) -> set[int]:
+    pids: set[int] = set()
+    for hierarchy in CGROUP_ROOT.iterdir():
+        top = hierarchy / cgroup
+        if not top.is_dir():
+            continue
+        for procs in top.rglob("cgroup.procs"):
+            try:
+                pids.update(int(x) for x in procs.read_text().split())
+            except OSError:
+                continue
+    return pids
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def kill_containers(containerd_sockets: list[Path]) -> int:
+    """SIGKILL every process in the pods' and FUSE cgroups and the shims of our containerds."""
+    victims = _pids_in("kubepods") | _pids_in("moorage-fuse")
+    sockets = {str(s) for s in containerd_sockets}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = _cmdline(int(entry.name))
+        shim = bool(argv) and argv[0].endswith("containerd-shim-runc-v2")
+        if shim and "-address" in argv and argv[argv.index("-address") + 1] in sockets:
+            victims.add(int(entry.name))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in victims):
+        time.sleep(0.1)
+    return len(victims)
+
+
+def _mount_points() -> list[str]:
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].encode().decode("unicode_escape")
+        points.append(point)
+    return points
+
+
+def unmount_under(prefixes: list[Path]) -> list[str]:
+    """Unmount every mount at or under the prefixes, deepest first (lazily if busy)."""
+    wanted = [str(p) for p in prefixes]
+    gone: list[str] = []
+    for _ in range(5):
+        points = [
+            m
+            for m in _mount_points()
+            if any(m == w or m.startswith(w.rstrip("/") + "/") for w in wanted)
+        ]
+        if not points:
+            break
+        for point in sorted(set(points), key=len, reverse=True):
+            if subprocess.run(["umount", point], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", point], capture_output=True)
+            gone.append(point)
+    return gone
+
+
+def detach_loops(prefixes: list[Path]) -> list[str]:
+    """Detach loop devices whose backing file lies under the prefixes."""
+    out = subprocess.run(
+        ["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    detached = []
+    wanted = [str(p).rstrip("/") + "/" for p in prefixes]
+    for line in out.splitlines():
+        name, _, back = line.strip().partition(" ")
+        back = back.strip().removesuffix(" (deleted)")
+        if any(back.startswith(w) for w in wanted):
+            subprocess.run(["losetup", "-d", name], capture_output=True)
+            detached.append(name)
+    return detached
+
+
+def remove_cgroups() -> None:
+    """Remove the cluster's cgroups, deepest first, in every hierarchy."""
+    for hierarchy in CGROUP_ROOT.iterdir():
+        for name in CGROUPS:
+            top = hierarchy / name
+            if not top.is_dir():
+                continue
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                top.rmdir()
+
+
+def remove_pod_netns() -> None:
+    """The pod sandboxes' namespaces containerd pinned under /run/netns (cni-*)."""
+    base = Path("/run/netns")
+    if not base.is_dir():
+        return
+    for entry in base.glob("cni-*"):
+        subprocess.run(["umount", str(entry)], capture_output=True)
+        entry.unlink(missing_ok=True)

@@ -1,0 +1,238 @@
+"""A node: containerd, kubelet and kube-proxy in the node's network namespace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+from moorage.devcluster import pki, procs
+from moorage.devcluster.layout import (
+    API_PORT,
+    CONTROL_ADDRESS,
+    PAUSE_IMAGE,
+    POD_NETWORK,
+    Layout,
+    Node,
+)
+from moorage.devcluster.tools import Tools
+
+CNI_BIN = "/usr/lib/cni"
+
+
+def daemons(node: Node) -> list[str]:
+    return [f"containerd-{node.name}", f"kubelet-{node.name}", f"kube-proxy-{node.name}"]
+
+
+def certificates(layout: Layout, node: Node) -> None:
+    p = layout.pki
+    node.dir.mkdir(parents=True, exist_ok=True)
+    server = f"https://{CONTROL_ADDRESS}:{API_PORT}"
+    pki.issue(p, pki.Identity(f"kubelet-{node.name}", f"system:node:{node.name}", "system:nodes"))
+    pki.issue(
+        p,
+        pki.Identity(
+            f"kubelet-serving-{node.name}", node.name, ips=(node.address,), dns=(node.name,)
+        ),
+    )
+    pki.kubeconfig(node.dir / "kubelet.kubeconfig", p, f"kubelet-{node.name}", server)
+    pki.issue(p, pki.Identity("kube-proxy", "system:kube-proxy"))
+    pki.kubeconfig(node.dir / "kube-proxy.kubeconfig", p, "kube-proxy", server)
+
+
+def _containerd_config(node: Node) -> Path:
+    base = node.dir / "containerd"
+    base.mkdir(parents=True, exist_ok=True)
+    cri = '[plugins."io.containerd.grpc.v1.cri"]'
+    text = f"""\
+version = 2
+root = "{base / "root"}"
+state = "{node.containerd_state}"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs"]
+
+[grpc]
+  address = "{node.containerd_socket}"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{base / "opt"}"
+
+{cri}
+  sandbox_image = "{PAUSE_IMAGE}"
+  # this host gives no process CAP_SYS_RESOURCE, so none may lower its
+  # oom_score_adj (kubelet asks -998 for sandboxes): keep containers at
+  # containerd's own value or above, as containerd does for rootless nodes
+  restrict_oom_score_adj = true
+  enable_cdi = false
+{cri[:-1]}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+{cri[:-1]}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+{cri[:-1]}.containerd.runtimes.runc.options]
+  SystemdCgroup = false
+{cri[:-1]}.cni]
+  bin_dir = "{CNI_BIN}"
+  conf_dir = "{node.dir / "cni"}"
+"""
+    path = base / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def _cni_config(node: Node) -> None:
+    conf = {
+        "cniVersion": "1.0.0",
+        "name": "moorage-e2e",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": "cni0",
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": node.pod_cidr}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(node.dir / "cni-ipam"),
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+    (node.dir / "cni").mkdir(parents=True, exist_ok=True)
+    (node.dir / "cni" / "10-moorage-e2e.conflist").write_text(json.dumps(conf, indent=2))
+
+
+def _kubelet_config(layout: Layout, node: Node) -> Path:
+    p = layout.pki
+    config = {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
+        "cgroupDriver": "cgroupfs",
+        "failSwapOn": False,
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(p / "ca.crt")},
+        },
+        "authorization": {"mode": "Webhook"},
+        "tlsCertFile": str(p / f"kubelet-serving-{node.name}.crt"),
+        "tlsPrivateKeyFile": str(p / f"kubelet-serving-{node.name}.key"),
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": 10248,
+        "volumePluginDir": str(node.dir / "volume-plugins"),
+        "resolvConf": str(node.dir / "resolv.conf"),
+        # the host's disk is shared with everything else on it: never evict or
+        # collect the locally imported images for it
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+        },
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+    }
+    path = node.dir / "kubelet.json"
+    path.write_text(json.dumps(config, indent=2))
+    (node.dir / "resolv.conf").write_text("# no cluster DNS in moorage's e2e cluster\n")
+    return path
+
+
+def _proxy_config(node: Node) -> Path:
+    config = {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(node.dir / "kube-proxy.kubeconfig")},
+        "hostnameOverride": node.name,
+        "mode": "iptables",
+        "clusterCIDR": POD_NETWORK,
+        "healthzBindAddress": "127.0.0.1:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
+        # host-wide sysctls are not ours to change
+        "conntrack": {"maxPerCore": 0, "min": 0},
+    }
+    path = node.dir / "kube-proxy.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def ctr(node: Node, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ctr", f"--address={node.containerd_socket}", "--namespace=k8s.io", *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+def start_containerd(layout: Layout, node: Node) -> None:
+    node.dir.mkdir(parents=True, exist_ok=True)
+    config = _containerd_config(node)
+    _cni_config(node)
+    name = f"containerd-{node.name}"
+    procs.start(layout, name, ["containerd", f"--config={config}"], netns=node.netns)
+    procs.wait_for(
+        f"{name} socket",
+        lambda: ctr(node, "version").returncode == 0,
+        timeout=60,
+        log=layout.logs / f"{name}.log",
+        alive=lambda: procs.running(layout, name),
+    )
+
+
+def archive_reference(archive: Path) -> str | None:
+    """The image name an OCI archive carries (``io.containerd.image.name``)."""
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("index.json")
+        index = json.load(member) if member else {}
+    for manifest in index.get("manifests", []):
+        name = manifest.get("annotations", {}).get("io.containerd.image.name")
+        if name:
+            return str(name)
+    return None
+
+
+def import_images(node: Node, archives: list[Path]) -> list[str]:
+    """Import (and unpack) every archive whose image is not there yet; returns the references."""
+    present = set(ctr(node, "images", "ls", "-q").stdout.split())
+    for archive in archives:
+        if archive_reference(archive) in present:
+            continue
+        result = ctr(node, "images", "import", str(archive))
+        if result.returncode != 0:
+            raise procs.ClusterError(f"ctr images import {archive}: {result.stderr.strip()}")
+    return ctr(node, "images", "ls", "-q").stdout.split()
+
+
+def start_kubelet(layout: Layout, node: Node, tools: Tools) -> None:
+    config = _kubelet_config(layout, node)
+    name = f"kubelet-{node.name}"
+    procs.start(
+        layout,
+        name,
+        [
+            tools.kube("kubelet"),
+            f"--config={config}",
+            f"--kubeconfig={node.dir / 'kubelet.kubeconfig'}",
+            f"--hostname-override={node.name}",
+            f"--node-ip={node.address}",
+            f"--root-dir={layout.kubelet_dir}",
+            f"--cert-dir={node.dir / 'kubelet-pki'}",
+        ],
+        netns=node.netns,
+    )
+
+
+def start_proxy(layout: Layout, node: Node, tools: Tools) -> None:
+    config = _proxy_config(node)
+    procs.start(
+        layout,
+        f"kube-proxy-{node.name}",
+        [tools.kube("kube-proxy"), f"--config={config}"],
+        netns=node.netns,
+    )
