@@ -37,6 +37,11 @@ packages=(
     # the container image: a root filesystem without a Docker daemon, and
     # containerd (with ctr and runc) to import and run it in the tests
     mmdebstrap containerd
+    # the e2e cluster (docs/e2e.md): the CNI plugins its pods' network is made
+    # of (bridge, host-local, loopback, portmap in /usr/lib/cni); iptables and
+    # conntrack for kube-proxy and portmap; a static busybox for the examples'
+    # image, built by make e2e-tools
+    containernetworking-plugins iptables conntrack busybox-static
     # kernel uapi headers (linux/nbd-netlink.h, linux/nbd.h, linux/netlink.h): the
     # kernel nbd attach code's hard-coded values are tested against them
     linux-libc-dev
