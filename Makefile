@@ -23,6 +23,24 @@ export MOORAGE_GO := $(GO)
 # release that runs on cgroup v1 without an opt-out).
 KUBERNETES_VERSION := v1.34.4
 KUBE_BIN := $(TOOLS_DIR)/kubernetes-$(KUBERNETES_VERSION)
+KUBE_COMMANDS := kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl
+export MOORAGE_KUBE_BIN := $(KUBE_BIN)
+# etcd for the API server: 3.6, the minor Kubernetes v1.34.4 names (3.6.5 in its
+# build/dependencies.yaml and kubeadm's default), at a later patch release.
+ETCD_VERSION := v3.6.16
+ETCD_DIR := $(TOOLS_DIR)/etcd-$(ETCD_VERSION)
+export MOORAGE_ETCD := $(ETCD_DIR)/etcd
+export MOORAGE_ETCDCTL := $(ETCD_DIR)/etcdctl
+# The cluster's other images (pause, busybox, the CSI sidecars) and the
+# snapshot CRDs and controller, named by the image versions the chart pins,
+# the Kubernetes release and the scripts that build them (deploy/e2e/build-images.sh).
+E2E_IMAGES_KEY := $(shell { sed -n '/^images:/,/^[^ ]/{/^ /p}' deploy/helm/moorage/values.yaml; \
+	echo $(KUBERNETES_VERSION); cat deploy/e2e/build-images.sh deploy/image/oci.py; } 2>/dev/null \
+	| sha256sum | cut -c1-16)
+E2E_IMAGES := $(TOOLS_DIR)/e2e-images-$(E2E_IMAGES_KEY)
+export MOORAGE_E2E_IMAGES := $(E2E_IMAGES)
+# CNI plugins: Debian's containernetworking-plugins (deploy/host/install-deps.sh)
+export MOORAGE_CNI_BIN := /usr/lib/cni
 # The container image, kept outside the tree and named by a digest of what
 # goes into it, so it is rebuilt only when that changes.
 IMAGE_REF := moorage:0.1.0
@@ -33,7 +51,7 @@ export MOORAGE_IMAGE_REF := $(IMAGE_REF)
 # The namespace the plain manifests in deploy/kubernetes are rendered for.
 MANIFESTS_NAMESPACE := moorage-system
 
-.PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-tools clean
+.PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-images e2e-tools clean
 
 all: test
 
@@ -69,13 +87,25 @@ $(IMAGE): | proto
 
 image: host proto $(IMAGE)
 
-$(KUBE_BIN)/kubelet:
+# One build for all of them: any one missing rebuilds the set.
+$(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) &:
 	@test -x "$(GO)" || { echo "make: Go is needed to build Kubernetes (not found)"; exit 1; }
 	bash deploy/e2e/build-kubernetes.sh $(KUBERNETES_VERSION) $(KUBE_BIN).partial $(GO)
 	rm -rf $(KUBE_BIN) && mv $(KUBE_BIN).partial $(KUBE_BIN)
 
+$(MOORAGE_ETCD) $(MOORAGE_ETCDCTL) &:
+	@test -x "$(GO)" || { echo "make: Go is needed to build etcd (not found)"; exit 1; }
+	bash deploy/e2e/build-etcd.sh $(ETCD_VERSION) $(ETCD_DIR).partial $(GO)
+	rm -rf $(ETCD_DIR) && mv $(ETCD_DIR).partial $(ETCD_DIR)
+
+# The script builds only the images that are missing from $(E2E_IMAGES).
+e2e-images: host
+	@test -x "$(GO)" || { echo "make: Go is needed to build the e2e images (not found)"; exit 1; }
+	bash deploy/e2e/build-images.sh deploy/helm/moorage/values.yaml $(KUBERNETES_VERSION) \
+		$(E2E_IMAGES) $(GO) $(PYTHON)
+
 # The e2e cluster's tools (the cluster itself is not built yet: issue 12).
-e2e-tools: $(KUBE_BIN)/kubelet $(HELM)
+e2e-tools: $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) $(MOORAGE_ETCD) $(MOORAGE_ETCDCTL) e2e-images $(HELM)
 
 # The plain manifests are the chart rendered with its default values; a test
 # fails when they and the chart disagree.

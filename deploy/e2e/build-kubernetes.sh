@@ -6,7 +6,7 @@
 # not have.  So a throwaway module requires it and replaces each staging
 # module (the list read from that very go.mod) by its published v0.MINOR.PATCH
 # release, then builds kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubelet and kubectl into OUTDIR.
+# kube-scheduler, kubelet, kube-proxy and kubectl into OUTDIR.
 set -euo pipefail
 version=${1:?usage: build-kubernetes.sh VERSION OUTDIR [GO]}
 out=${2:?usage: build-kubernetes.sh VERSION OUTDIR [GO]}
@@ -51,5 +51,6 @@ mkdir -p "$out"
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kubelet \
+    k8s.io/kubernetes/cmd/kube-proxy \
     k8s.io/kubernetes/cmd/kubectl)
 echo "build-kubernetes: $version in $out"
