@@ -51,7 +51,8 @@ export MOORAGE_IMAGE_REF := $(IMAGE_REF)
 # The namespace the plain manifests in deploy/kubernetes are rendered for.
 MANIFESTS_NAMESPACE := moorage-system
 
-.PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-images e2e-tools clean
+.PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-images e2e-tools \
+	e2e cluster-up cluster-status cluster-down clean
 
 all: test
 
@@ -84,6 +85,7 @@ tools: $(CSI_SANITY) $(HELM)
 $(IMAGE): | proto
 	mkdir -p $(dir $@)
 	bash deploy/image/build.sh $@ $(IMAGE_REF) $(PY)
+	find $(dir $@) -maxdepth 1 -name 'moorage-*.tar' ! -name $(notdir $@) -delete
 
 image: host proto $(IMAGE)
 
@@ -103,9 +105,28 @@ e2e-images: host
 	@test -x "$(GO)" || { echo "make: Go is needed to build the e2e images (not found)"; exit 1; }
 	bash deploy/e2e/build-images.sh deploy/helm/moorage/values.yaml $(KUBERNETES_VERSION) \
 		$(E2E_IMAGES) $(GO) $(PYTHON)
+	find $(TOOLS_DIR) -maxdepth 1 -name 'e2e-images-*' ! -name $(notdir $(E2E_IMAGES)) \
+		-exec rm -rf {} +
 
-# The e2e cluster's tools (the cluster itself is not built yet: issue 12).
+# The e2e cluster's tools.
 e2e-tools: $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) $(MOORAGE_ETCD) $(MOORAGE_ETCDCTL) e2e-images $(HELM)
+
+# The seed scenarios on a real Kubernetes on this machine (docs/e2e.md).  The
+# cluster comes up for the run and goes down after it, unless one started by
+# `make cluster-up` is running (then it is used and left up).
+E2E_ARGS ?=
+e2e: host proto e2e-tools $(IMAGE)
+	$(PY) -m pytest tests/e2e -o addopts="" -p no:randomly -p no:cacheprovider -rA \
+		--timeout=1200 $(E2E_ARGS)
+
+cluster-up: host proto e2e-tools $(IMAGE)
+	$(VENV)/bin/moorage dev cluster up
+
+cluster-status: $(INSTALLED)
+	$(VENV)/bin/moorage dev cluster status
+
+cluster-down: $(INSTALLED)
+	$(VENV)/bin/moorage dev cluster down
 
 # The plain manifests are the chart rendered with its default values; a test
 # fails when they and the chart disagree.

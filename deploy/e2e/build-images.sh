@@ -6,6 +6,8 @@
 #   OUTDIR/registry.k8s.io/pause:TAG.tar   Kubernetes' pause, compiled from the C
 #                                          source in the k8s.io/kubernetes module
 #   OUTDIR/busybox:X.Y.tar                 this host's busybox-static (Debian)
+#   OUTDIR/moorage-e2e-fio:X.Y.tar         Debian's fio (mmdebstrap), for the
+#                                          e2e's I/O-limit measurement
 #   OUTDIR/REPOSITORY:TAG.tar              each CSI sidecar the chart names in
 #                                          VALUES.yaml (images.*), built from its
 #                                          Go module at that tag, and the
@@ -152,6 +154,22 @@ if [ ! -f "$out/$ref.tar" ]; then
     done
     pack "$root" "$ref" --entrypoint '[]' --cmd '["sh"]' --env "$PATH_ENV" \
         --created-by "$("$busybox" | sed -n 1p)"
+fi
+
+# --- fio: Debian's, for the e2e's I/O-limit measurement in a pod
+fio_tag=$(apt-cache policy fio | sed -n 's/^ *Candidate: *\([0-9]*\.[0-9]*\).*/\1/p')
+[ -n "$fio_tag" ] || die "no fio candidate from apt-cache policy fio"
+ref=moorage-e2e-fio:$fio_tag
+index+=("fio $ref")
+if [ ! -f "$out/$ref.tar" ]; then
+    mmdebstrap --variant=minbase --mode=root --format=tar --quiet --include=fio,libaio1 \
+        bookworm "$work/fio-rootfs.tar"
+    mkdir -p "$(dirname "$out/$ref.tar")"
+    "$python" "$oci" "$work/fio-rootfs.tar" "$out/$ref.tar" "$ref" --entrypoint '[]' \
+        --cmd '["fio", "--version"]' --env "$PATH_ENV" \
+        --created-by "mmdebstrap bookworm --include=fio,libaio1" >/dev/null
+    rm -f "$work/fio-rootfs.tar"
+    echo "build-images: $ref ($(du -h "$out/$ref.tar" | cut -f1))"
 fi
 
 # --- the CSI sidecars the chart runs, and the cluster's snapshot-controller

@@ -109,10 +109,22 @@ def install_moorage(layout: Layout, kube: Kube) -> None:
         "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--values", str(values_file), "--wait", "--timeout", "5m",
     )  # fmt: skip
+    kube.wait_until("moorage's pods ready", lambda: _all_ready(kube, NAMESPACE), timeout=300)
     kube.wait_until(
         "csi.moorage.dev registered on every node",
         lambda: all(_registered(kube, n.name) for n in layout.nodes),
         timeout=120,
+    )
+
+
+def _all_ready(kube: Kube, namespace: str) -> bool:
+    pods = json.loads(kube("get", "pods", "-n", namespace, "-o", "json"))["items"]
+    return bool(pods) and all(
+        any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+        for p in pods
     )
 
 
@@ -170,7 +182,8 @@ def _graceful(layout: Layout, kube: Kube, report: Callable[[str], None]) -> None
     kube.wait_until("workloads gone", lambda: not user_pods(), timeout=180)
     kube.wait_until("volumes deleted", lambda: not kube.get("pv")["items"], timeout=180)
     kube.wait_until("attachments gone", lambda: not kube.get("volumeattachments")["items"], 180)
-    kube.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "3m")
+    if RELEASE in kube.helm("list", "--namespace", NAMESPACE, "--short").split():
+        kube.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "3m")
     report("workloads, claims and the chart removed through the API")
 
 
@@ -190,6 +203,7 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
                 killed = cleanup.kill_containers([n.containerd_socket for n in layout.nodes])
                 _step(report, started, f"{killed} container processes killed")
             procs.stop(layout, name)
+            _step(report, started, f"{name} stopped")
     control.down(layout)
     for name in procs.known(layout):
         procs.stop(layout, name)

@@ -185,28 +185,35 @@ def start_containerd(layout: Layout, node: Node) -> None:
     )
 
 
-def archive_reference(archive: Path) -> str | None:
-    """The image name an OCI archive carries (``io.containerd.image.name``)."""
+def archive_image(archive: Path) -> tuple[str, str] | None:
+    """(name, manifest digest) an OCI archive carries (``io.containerd.image.name``)."""
     with tarfile.open(archive) as tar:
         member = tar.extractfile("index.json")
         index = json.load(member) if member else {}
     for manifest in index.get("manifests", []):
         name = manifest.get("annotations", {}).get("io.containerd.image.name")
         if name:
-            return str(name)
+            return str(name), str(manifest["digest"])
     return None
 
 
-def import_images(node: Node, archives: list[Path]) -> list[str]:
-    """Import (and unpack) every archive whose image is not there yet; returns the references."""
-    present = set(ctr(node, "images", "ls", "-q").stdout.split())
+def images(node: Node) -> dict[str, str]:
+    """name -> digest of the images in the node's containerd."""
+    out = ctr(node, "images", "ls").stdout.splitlines()[1:]
+    return {line.split()[0]: line.split()[2] for line in out if line.strip()}
+
+
+def import_images(node: Node, archives: list[Path]) -> dict[str, str]:
+    """Import (and unpack) every archive whose image is missing or differs; the images now."""
+    present = images(node)
     for archive in archives:
-        if archive_reference(archive) in present:
+        carried = archive_image(archive)
+        if carried is not None and present.get(carried[0]) == carried[1]:
             continue
         result = ctr(node, "images", "import", str(archive))
         if result.returncode != 0:
             raise procs.ClusterError(f"ctr images import {archive}: {result.stderr.strip()}")
-    return ctr(node, "images", "ls", "-q").stdout.split()
+    return images(node)
 
 
 def start_kubelet(layout: Layout, node: Node, tools: Tools) -> None:
