@@ -180,7 +180,7 @@ _LOOP_GET_STATUS64 = 0x4C05
 _LOOP_INFO64_SIZE = 232  # struct loop_info64
 
 
-def _loop_backing_id(device: str) -> tuple[int, int] | None:
+def loop_backing_id(device: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of a loop device's backing file, from LOOP_GET_STATUS64."""
     try:
         fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
@@ -242,7 +242,7 @@ def loop_devices(backing: Path) -> list[str]:
             continue
         if ids is None:
             ids = _file_ids(backing)
-        if ids and _loop_backing_id(f"/dev/{entry.name}") in ids:
+        if ids and loop_backing_id(f"/dev/{entry.name}") in ids:
             found.append(f"/dev/{entry.name}")
     return sorted(found)
 

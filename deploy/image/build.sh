@@ -28,7 +28,7 @@ tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./
 "$python" -m pip wheel -q --wheel-dir "$work/wheels" -c "$here/constraints.txt" "$work/src[fuse]"
 
 mmdebstrap --variant=minbase --mode=root --format=tar --quiet \
-  --include=python3,python3-venv,nfs-ganesha,nfs-ganesha-vfs,rpcbind,libnbd0,libnbd-bin,libnfs13,libnfs-utils,fuse3,e2fsprogs,xfsprogs,util-linux,mount,kmod,ca-certificates \
+  --include=python3,python3-venv,nfs-ganesha,nfs-ganesha-vfs,rpcbind,libnbd0,libnbd-bin,libnfs13,libnfs-utils,fuse3,e2fsprogs,xfsprogs,util-linux,mount,kmod,ca-certificates,netbase \
   --customize-hook="mkdir -p \"\$1/tmp/wheels\" && cp $work/wheels/*.whl \"\$1/tmp/wheels/\"" \
   --customize-hook='chroot "$1" python3 -m venv /opt/moorage' \
   --customize-hook='chroot "$1" /opt/moorage/bin/pip install -q --no-index --find-links /tmp/wheels "moorage[fuse]"' \

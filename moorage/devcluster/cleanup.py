@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from backend.pool import loop_backing_id, loop_devices
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: cgroups the cluster makes: kubelet's pods and moorage's FUSE daemons
 CGROUPS = ("kubepods", "moorage-fuse")
@@ -86,21 +88,39 @@ def unmount_under(prefixes: list[Path]) -> list[str]:
     return gone
 
 
-def detach_loops(prefixes: list[Path]) -> list[str]:
-    """Detach loop devices whose backing file lies under the prefixes."""
-    out = subprocess.run(
-        ["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"],
-        capture_output=True,
-        text=True,
-    ).stdout
+def fuse_devices_under(prefixes: list[Path]) -> set[int]:
+    """Device numbers of the FUSE filesystems mounted at or under the prefixes."""
+    wanted = [str(p).rstrip("/") for p in prefixes]
+    devices = set()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = fields[4].encode().decode("unicode_escape")
+        fstype = fields[fields.index("-") + 1]
+        if not fstype.startswith("fuse"):
+            continue
+        if any(point == w or point.startswith(w + "/") for w in wanted):
+            major, minor = fields[2].split(":")
+            devices.add(os.makedev(int(major), int(minor)))
+    return devices
+
+
+def detach_loops(prefixes: list[Path], devices: set[int]) -> list[str]:
+    """Detach loop devices whose backing file lies under the prefixes or on ``devices``.
+
+    Files under the prefixes are found as the storage node finds its own (a
+    loop attached inside a pod names its file relative to a mount the host
+    never had: backend.pool); ``devices`` catches files of filesystems that
+    are gone or dead, such as a FUSE block file whose daemon was killed.
+    """
+    candidates = {d for prefix in prefixes for d in loop_devices(prefix)}
+    for entry in Path("/sys/block").glob("loop*"):
+        backing = loop_backing_id(f"/dev/{entry.name}")
+        if backing is not None and backing[0] in devices:
+            candidates.add(f"/dev/{entry.name}")
     detached = []
-    wanted = [str(p).rstrip("/") + "/" for p in prefixes]
-    for line in out.splitlines():
-        name, _, back = line.strip().partition(" ")
-        back = back.strip().removesuffix(" (deleted)")
-        if any(back.startswith(w) for w in wanted):
-            subprocess.run(["losetup", "-d", name], capture_output=True)
-            detached.append(name)
+    for device in sorted(candidates):
+        if subprocess.run(["losetup", "-d", device], capture_output=True).returncode == 0:
+            detached.append(device)
     return detached
 
 

@@ -209,10 +209,12 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
         procs.stop(layout, name)
     _step(report, started, "daemons stopped")
     cleanup.remove_pod_netns()
+    # the FUSE block files' filesystems, before they are unmounted
+    fuse_devices = cleanup.fuse_devices_under([layout.kubelet_dir, layout.csi_state_dir])
     gone = cleanup.unmount_under(
         [layout.kubelet_dir, layout.root, *(n.containerd_state for n in layout.nodes)]
     )
-    loops = cleanup.detach_loops([layout.root, layout.kubelet_dir])
+    loops = cleanup.detach_loops([layout.storage_dir, layout.kubelet_dir], fuse_devices)
     cleanup.remove_cgroups()
     network.down(layout.nodes)
     _step(

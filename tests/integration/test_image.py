@@ -73,6 +73,8 @@ def test_containerd_imports_the_image_and_runs_every_roles_tools(ctr: list[str])
             (["nbdinfo", "--version"], "libnbd"),
             (["mkfs.xfs", "-V"], "mkfs.xfs version"),
             (["/opt/moorage/bin/python", "-c", "import pyfuse3, csi.proto.csi_pb2"], ""),
+            # rpcbind finds its port by name: without /etc/services it binds nothing
+            (["getent", "services", "sunrpc"], "111/tcp"),
         ]
     ):
         out = run([*ctr, "run", "--rm", ref, f"moorage-test-{os.getpid()}-{n}", *argv])
