@@ -16,6 +16,9 @@ What a StorageClass may say (``parameters``):
 ``csi.storage.k8s.io/pvc/name``, ``.../pvc/namespace``, ``.../pv/name``
                       added by csi-provisioner (``--extra-create-metadata``);
                       kept as the volume's labels on the storage node
+``csi.storage.k8s.io/*`` any other key of Kubernetes' reserved prefix
+                      (``fstype``, secret references) is the sidecars' and
+                      is ignored: GetCapacity receives them unfiltered
 ====================  ==========================================================
 
 ``squash``, ``iopsLimit`` and ``bandwidthLimit`` are also the keys of
@@ -42,6 +45,7 @@ METADATA = {
     "csi.storage.k8s.io/pvc/namespace": "csi.storage.k8s.io/pvc-namespace",
     "csi.storage.k8s.io/pv/name": "csi.storage.k8s.io/pv-name",
 }
+RESERVED_PREFIX = "csi.storage.k8s.io/"
 MUTABLE = ("squash", "iopsLimit", "bandwidthLimit")
 KNOWN = ("type", "nfsFsType", "fsType", "storageNode", *MUTABLE, *METADATA)
 BLOCK_FS_TYPES = ("ext4", "xfs")
@@ -97,7 +101,10 @@ def check_mutable(params: Mapping[str, str], where: str = "mutable parameter") -
 
 
 def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParameters:
-    unknown = sorted(k for k in params if k not in KNOWN)
+    # the prefix Kubernetes reserves for its own keys (secret references,
+    # fstype): csi-provisioner strips them from CreateVolume but hands a
+    # StorageClass's parameters to GetCapacity as they are
+    unknown = sorted(k for k in params if k not in KNOWN and not k.startswith(RESERVED_PREFIX))
     if unknown:
         raise InvalidArgument(
             f"unknown parameter {unknown[0][:80]!r}; known: {', '.join(sorted(KNOWN))}"

@@ -139,6 +139,21 @@ def test_parameters_checked_and_metadata_kept_as_labels() -> None:
     assert parameters.backend_parameters("nfs", p) == {"fs_type": "ext4", "squash": "all_squash"}
 
 
+def test_kubernetes_reserved_keys_are_left_to_the_sidecars() -> None:
+    # csi-provisioner hands GetCapacity the StorageClass's parameters unfiltered
+    p = parameters.parse(
+        {
+            "type": "nbd",
+            "csi.storage.k8s.io/fstype": "ext4",
+            "csi.storage.k8s.io/provisioner-secret-name": "s",
+        },
+        {},
+    )
+    assert p.type == "nbd" and not dict(p.labels)
+    with pytest.raises(InvalidArgument, match="unknown parameter 'csi.storage.k8s.io.fstype'"):
+        parameters.parse({"csi.storage.k8s.io.fstype": "ext4"}, {})
+
+
 @pytest.mark.parametrize(
     ("params", "mutable", "message"),
     [
