@@ -114,9 +114,9 @@ e2e-tools: $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) $(MOORAGE_ETCD) $(MOORAGE_
 # The seed scenarios on a real Kubernetes on this machine (docs/e2e.md).  The
 # cluster comes up for the run and goes down after it, unless one started by
 # `make cluster-up` is running (then it is used and left up).
-E2E_ARGS ?=
+E2E_ARGS ?= tests/e2e
 e2e: host proto e2e-tools $(IMAGE)
-	$(PY) -m pytest tests/e2e -o addopts="" -p no:randomly -p no:cacheprovider -rA \
+	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA \
 		--timeout=1200 $(E2E_ARGS)
 
 cluster-up: host proto e2e-tools $(IMAGE)

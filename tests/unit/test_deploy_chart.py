@@ -166,6 +166,21 @@ def test_the_csidriver_is_the_one_the_plugin_serves(default: list[dict[str, Any]
     }
 
 
+def test_fs_types_come_from_the_classes_not_a_provisioner_default(
+    default: list[dict[str, Any]],
+) -> None:
+    # a --default-fstype would be put in the NFS class's volumes too (refused)
+    provisioner = container(find(default, "Deployment", "controller"), "csi-provisioner")
+    assert flag(provisioner, "--default-fstype") is None
+    classes = [o for o in default if o["kind"] == "StorageClass"]
+    for sc in classes:
+        fstype = sc["parameters"].get("csi.storage.k8s.io/fstype")
+        if sc["parameters"]["type"] == "nbd":
+            assert fstype in ("ext4", "xfs"), sc["metadata"]["name"]
+        else:
+            assert fstype is None, sc["metadata"]["name"]
+
+
 @pytest.mark.parametrize("kubelet", ["/var/lib/kubelet", "/data/kubelet"])
 def test_socket_paths_agree_between_registrar_plugin_and_kubelet(
     kubelet: str, default: list[dict[str, Any]], custom: list[dict[str, Any]]
