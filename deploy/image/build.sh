@@ -33,6 +33,7 @@ mmdebstrap --variant=minbase --mode=root --format=tar --quiet \
   --customize-hook='chroot "$1" python3 -m venv /opt/moorage' \
   --customize-hook='chroot "$1" /opt/moorage/bin/pip install -q --no-index --find-links /tmp/wheels "moorage[fuse]"' \
   --customize-hook='rm -rf "$1/tmp/wheels" && ln -sf /opt/moorage/bin/moorage "$1/usr/local/bin/moorage"' \
+  --customize-hook='ln -sf ../proc/self/mounts "$1/etc/mtab"' \
   bookworm "$work/rootfs.tar"
 
 "$python" "$here/oci.py" "$work/rootfs.tar" "$out" "$ref" >/dev/null

@@ -130,19 +130,25 @@ class Namespace:
         return self.kube("exec", "-n", self.name, pod, "--", *command)
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 180) -> None:
-        self.kube.wait_until(what, check, timeout=timeout)
+        try:
+            self.kube.wait_until(what, check, timeout=timeout)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.events()}") from None
         step(what)
+
+    def events(self) -> str:
+        """What Kubernetes said in this namespace, for a failure's message."""
+        out = self.kube.run(
+            "get", "events", "-n", self.name, "--sort-by=.lastTimestamp", check=False
+        )  # fmt: skip
+        return "events:\n" + (out.stdout or out.stderr)
 
     def pod_running(self, name: str, timeout: float = 180) -> dict[str, Any]:
         def running() -> bool:
             pod = self.get("pod", name)
             return bool(pod and pod["status"].get("phase") == "Running")
 
-        try:
-            self.wait(f"pod {name} running", running, timeout)
-        except TimeoutError:
-            events = self.kube("get", "events", "-n", self.name, "--sort-by=.lastTimestamp")
-            raise AssertionError(f"pod {name} not running; events:\n{events}") from None
+        self.wait(f"pod {name} running", running, timeout)
         return dict(self.get("pod", name))
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
