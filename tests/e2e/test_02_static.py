@@ -30,9 +30,8 @@ def _pod(name: str, claim: str, command: str) -> dict[str, Any]:
 
 def test_static_pv_by_volume_handle(cluster: Cluster, ns: Namespace) -> None:
     name = f"static-{ns.name}"
-    volume = json.loads(
-        cluster.moorage("volume", "create", name, "--type=nfs", "--size=1G", "--json")
-    )
+    created = cluster.moorage("volume", "create", name, "--type=nbd", "--size=1G", "--json")
+    volume = json.loads(created)
     handle = f"sn-0:{volume['id']}"
     step(f"moorage volume create {name} -> {handle}")
 
@@ -44,20 +43,19 @@ def test_static_pv_by_volume_handle(cluster: Cluster, ns: Namespace) -> None:
         else:
             doc["spec"]["volumeName"] = name
 
-    try:
-        ns.example("static-pv-by-handle.yaml", edit)
-        claim_name = ns.get("pvc")["items"][0]["metadata"]["name"]
-        claim = ns.bound(claim_name)
-        assert claim["spec"]["volumeName"] == name
-        ns.apply(_pod("static-user", claim_name, "echo static > /data/f && sleep 3600"))
-        ns.pod_running("static-user")
-        assert ns.exec("static-user", "cat", "/data/f").strip() == "static"
-        step("the pod wrote and read the statically provisioned volume")
-    finally:
-        ns.kube.run("delete", "namespace", ns.name, "--timeout=300s", check=False)
+    ns.example("static-pv-by-handle.yaml", edit)
+    claim_name = ns.get("pvc")["items"][0]["metadata"]["name"]
+    claim = ns.bound(claim_name)
+    assert claim["spec"]["volumeName"] == name
+    ns.apply(_pod("static-user", claim_name, "echo static > /data/f && sleep 3600"))
+    ns.pod_running("static-user")
+    assert ns.exec("static-user", "cat", "/data/f").strip() == "static"
+    step("the pod wrote and read the statically provisioned volume (formatted at first stage)")
+    ns.delete("pod", "static-user")
+    ns.delete("pvc", claim_name)
     # reclaim policy Delete: the volume goes with the PV
-    ns.kube.wait_until(
-        "static volume deleted",
+    ns.wait(
+        "the volume deleted with its PV",
         lambda: all(v["id"] != volume["id"] for v in cluster.volumes()),
         timeout=180,
     )
@@ -105,7 +103,8 @@ def test_static_pv_of_an_existing_nfs_share(cluster: Cluster, ns: Namespace) -> 
         assert ns.exec("share-user", "cat", "/data/f").strip() == "shared"
         step("the pod wrote and read the existing share")
     finally:
-        ns.kube.run("delete", "namespace", ns.name, "--timeout=300s", check=False)
-        ns.kube.run("delete", "pv", name, check=False)
+        ns.kube.run("delete", "pod", "share-user", "-n", ns.name, "--timeout=120s", check=False)
+        ns.kube.run("delete", "pvc", "--all", "-n", ns.name, "--timeout=120s", check=False)
+        ns.kube.run("delete", "pv", name, "--timeout=120s", check=False)
         cluster.moorage("volume", "unpublish", volume["id"], "--node=by-hand")
         cluster.moorage("volume", "delete", volume["id"])
