@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +11,11 @@ import pytest
 from moorage.devcluster import node as nodes
 from moorage.devcluster import procs
 from tests.e2e.conftest import Cluster, Namespace, host_mounts, step
+
+WRITER = (
+    "i=0; while true; do i=$((i+1)); "
+    "echo $i > /block/counter; echo $i > /shared/counter; sleep 0.2; done"
+)
 
 
 def _workload() -> list[dict[str, Any]]:
@@ -40,7 +47,8 @@ def _workload() -> list[dict[str, Any]]:
                         "name": "app",
                         "image": "busybox:1.35",
                         "imagePullPolicy": "IfNotPresent",
-                        "command": ["/bin/sh", "-c", "sleep 3600"],
+                        # the workload: a counter written to both volumes, 5 times a second
+                        "command": ["/bin/sh", "-c", WRITER],
                         "volumeMounts": [
                             {"name": "block", "mountPath": "/block"},
                             {"name": "shared", "mountPath": "/shared"},
@@ -57,10 +65,40 @@ def _workload() -> list[dict[str, Any]]:
 
 
 def _io(ns: Namespace, tag: str) -> None:
+    """Write and read a file on each volume through kubectl exec."""
     for d in ("/block", "/shared"):
         ns.exec("worker", "sh", "-c", f"echo {tag} > {d}/{tag} && sync")
         assert ns.exec("worker", "cat", f"{d}/{tag}").strip() == tag
-        assert ns.exec("worker", "sh", "-c", f"ls {d} | wc -l").strip() != "0"
+
+
+def _counters(uid: str) -> list[int]:
+    """The workload's counters, read from the host through the pod's own mounts."""
+    values = []
+    for point in sorted(_pod_mounts(uid)):
+        for _ in range(20):  # the writer truncates, then writes
+            text = Path(point, "counter").read_text().strip()
+            if text:
+                values.append(int(text))
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"{point}/counter stays empty")
+    return values
+
+
+def _writing(uid: str, while_: str, hold: float = 0.0) -> None:
+    """Both volumes' counters move on, seen from the host (needs no kubelet)."""
+    before = _counters(uid)
+    time.sleep(hold)
+    assert len(before) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = _counters(uid)
+        if all(a > b for a, b in zip(after, before, strict=True)):
+            step(f"the workload kept writing both volumes {while_}: {before} -> {after}")
+            return
+    raise AssertionError(f"the workload stopped writing {while_}: {before} -> {_counters(uid)}")
 
 
 def _pod_mounts(uid: str) -> set[str]:
@@ -78,13 +116,12 @@ def _plugin_pod(cluster: Cluster, node: str) -> dict[str, Any]:
     return dict(pod)
 
 
-def _restart_plugin(cluster: Cluster, ns: Namespace) -> None:
+def _restart_plugin(cluster: Cluster, ns: Namespace, uid: str) -> None:
     node = cluster.node.name
     old = _plugin_pod(cluster, node)["metadata"]["name"]
     cluster.kube("delete", "pod", old, "-n", "moorage", "--wait=true", "--timeout=120s")
     step(f"node plugin pod {old} deleted (its containers killed)")
-    _io(ns, "while-the-plugin-is-gone")
-    step("the workload read and wrote while the plugin was gone")
+    _writing(uid, "while the plugin's pod was replaced", hold=3)
 
     def back() -> bool:
         pod = _plugin_pod(cluster, node)
@@ -96,20 +133,29 @@ def _restart_plugin(cluster: Cluster, ns: Namespace) -> None:
     ns.wait("a new node plugin pod ready", back, timeout=180)
 
 
-def _restart_kubelet(cluster: Cluster, ns: Namespace) -> None:
+def _restart_kubelet(cluster: Cluster, ns: Namespace, uid: str) -> None:
     node = cluster.node
     procs.stop(cluster.layout, f"kubelet-{node.name}")
     step("kubelet stopped")
-    _io(ns, "while-kubelet-is-gone")
-    step("the workload read and wrote while kubelet was gone")
-    nodes.start_kubelet(cluster.layout, node, cluster.tools)
+    try:
+        _writing(uid, "while kubelet was stopped", hold=3)
+    finally:
+        nodes.start_kubelet(cluster.layout, node, cluster.tools)
+        step("kubelet started again")
 
     def ready() -> bool:
         n = cluster.kube.get("node", node.name)
         since = next(c for c in n["status"]["conditions"] if c["type"] == "Ready")
         return bool(since["status"] == "True")
 
-    ns.wait("kubelet back, node Ready", ready, timeout=180)
+    ns.wait("node Ready", ready, timeout=180)
+
+    def serves_the_pod() -> bool:
+        return (
+            ns.kube.run("exec", "-n", ns.name, "worker", "--", "true", check=False).returncode == 0
+        )
+
+    ns.wait("kubelet has the pod again (exec works)", serves_the_pod, timeout=120)
 
 
 @pytest.mark.parametrize("restart", [_restart_plugin, _restart_kubelet], ids=["plugin", "kubelet"])
@@ -121,7 +167,9 @@ def test_workload_survives_and_tears_down_cleanly(
     uid = pod["metadata"]["uid"]
     assert len(_pod_mounts(uid)) == 2
     _io(ns, "before")
-    restart(cluster, ns)
+    _writing(uid, "before")
+    restart(cluster, ns, uid)
+    _writing(uid, "after")
     _io(ns, "after")
     ns.delete("pod", "worker")
     ns.wait("both volumes unmounted from the pod", lambda: not _pod_mounts(uid), timeout=120)

@@ -30,10 +30,12 @@ def _modified_to(ns: Namespace, name: str) -> bool:
 def _fio_iops(ns: Namespace) -> float:
     out = ns.exec(
         "fio", "fio", "--name=limit", "--filename=/dev/xvda", "--rw=randread", "--bs=4k",
-        "--direct=1", "--ioengine=libaio", "--iodepth=8", "--time_based", "--runtime=8",
+        "--direct=1", "--invalidate=0", "--ioengine=libaio", "--iodepth=8",
+        "--time_based", "--runtime=8",
         "--output-format=json",
     )  # fmt: skip
-    return float(json.loads(out)["jobs"][0]["read"]["iops"])
+    report = out[out.index("{") :]  # fio may say something first
+    return float(json.loads(report)["jobs"][0]["read"]["iops"])
 
 
 def test_iops_limit_applied_and_lifted(ns: Namespace) -> None:
