@@ -16,8 +16,8 @@ from pathlib import Path
 from backend.pool import loop_backing_id, loop_devices
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-#: cgroups the cluster makes: kubelet's pods and moorage's FUSE daemons
-CGROUPS = ("kubepods", "moorage-fuse")
+#: the cgroup moorage's node plugin moves its FUSE daemons to (chart: node.fuseCgroup)
+FUSE_CGROUP = "moorage-fuse"
 
 
 def _pids_in(cgroup: str) -> set[int]:
@@ -41,9 +41,9 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def kill_containers(containerd_sockets: list[Path]) -> int:
-    """SIGKILL every process in the pods' and FUSE cgroups and the shims of our containerds."""
-    victims = _pids_in("kubepods") | _pids_in("moorage-fuse")
+def kill_containers(cgroups: list[str], containerd_sockets: list[Path]) -> int:
+    """SIGKILL every process in the cgroups and the shims of our containerds."""
+    victims = set().union(*(_pids_in(c) for c in cgroups))
     sockets = {str(s) for s in containerd_sockets}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -88,11 +88,13 @@ def unmount_under(prefixes: list[Path]) -> list[str]:
     return gone
 
 
-def fuse_devices_under(prefixes: list[Path]) -> set[int]:
+def fuse_devices_under(prefixes: list[Path], mountinfo: str | None = None) -> set[int]:
     """Device numbers of the FUSE filesystems mounted at or under the prefixes."""
     wanted = [str(p).rstrip("/") for p in prefixes]
     devices = set()
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    if mountinfo is None:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    for line in mountinfo.splitlines():
         fields = line.split()
         point = fields[4].encode().decode("unicode_escape")
         fstype = fields[fields.index("-") + 1]
@@ -124,10 +126,10 @@ def detach_loops(prefixes: list[Path], devices: set[int]) -> list[str]:
     return detached
 
 
-def remove_cgroups() -> None:
+def remove_cgroups(cgroups: list[str]) -> None:
     """Remove the cluster's cgroups, deepest first, in every hierarchy."""
     for hierarchy in CGROUP_ROOT.iterdir():
-        for name in CGROUPS:
+        for name in cgroups:
             top = hierarchy / name
             if not top.is_dir():
                 continue

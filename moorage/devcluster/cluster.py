@@ -21,6 +21,7 @@ from moorage.devcluster.tools import Tools
 
 log = logging.getLogger("moorage.devcluster")
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "moorage"
+SECOND_NODE_TAINT = "moorage.dev/e2e-second-node=true"
 SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", NAMESPACE}
 
 
@@ -52,6 +53,8 @@ def up(
     archives = [*sorted(tools.images.rglob("*.tar")), tools.moorage_image]
     for node in layout.nodes:
         nodes.certificates(layout, node)
+        nodes.make_cgroup_root(node)
+        nodes.make_mount_namespace(layout, node)
         nodes.start_containerd(layout, node)
         nodes.import_images(node, archives)
         _step(report, started, f"{node.name}: containerd, {len(archives)} images imported")
@@ -59,6 +62,10 @@ def up(
         nodes.start_proxy(layout, node, tools)
     for node in layout.nodes:
         kube.wait_until(f"node {node.name} Ready", functools.partial(_node_ready, kube, node.name))
+    for node in layout.nodes[1:]:
+        # only what tolerates it lands on a later node: the plugin's DaemonSet
+        # does, and so do the tests about several nodes
+        kube("taint", "node", node.name, f"{SECOND_NODE_TAINT}:NoSchedule", "--overwrite")
     _step(report, started, "nodes Ready: " + ", ".join(n.name for n in layout.nodes))
     if install:
         install_moorage(layout, kube)
@@ -197,10 +204,13 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
                 _graceful(layout, kube, report)
         except (KubectlError, TimeoutError, subprocess.SubprocessError) as e:
             report(f"graceful teardown incomplete ({e}); removing by force")
+    # "kubepods": kubelet's default root, should a node have run without ours
+    cgroups = [n.cgroup_root for n in layout.nodes] + [cleanup.FUSE_CGROUP, "kubepods"]
     for node in layout.nodes:
         for name in reversed(nodes.daemons(node)):
             if name.startswith("containerd"):
-                killed = cleanup.kill_containers([n.containerd_socket for n in layout.nodes])
+                sockets = [n.containerd_socket for n in layout.nodes]
+                killed = cleanup.kill_containers(cgroups, sockets)
                 _step(report, started, f"{killed} container processes killed")
             procs.stop(layout, name)
             _step(report, started, f"{name} stopped")
@@ -209,13 +219,27 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
         procs.stop(layout, name)
     _step(report, started, "daemons stopped")
     cleanup.remove_pod_netns()
-    # the FUSE block files' filesystems, before they are unmounted
-    fuse_devices = cleanup.fuse_devices_under([layout.kubelet_dir, layout.csi_state_dir])
+    # the FUSE block files' filesystems, before they are unmounted, in every
+    # node's mount namespace; a later node's goes with its pin
+    prefixes = [layout.kubelet_dir, layout.csi_state_dir]
+    fuse_devices = cleanup.fuse_devices_under(prefixes)
+    for node in layout.nodes:
+        if node.mount_ns is not None and node.mount_ns.exists():
+            inside = subprocess.run(
+                ["nsenter", f"--mount={node.mount_ns}", "cat", "/proc/self/mountinfo"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            fuse_devices |= cleanup.fuse_devices_under(prefixes, inside)
     gone = cleanup.unmount_under(
-        [layout.kubelet_dir, layout.root, *(n.containerd_state for n in layout.nodes)]
+        [layout.kubelet_dir, layout.root, Path("/run/moorage-e2e")]
+        + [n.containerd_state for n in layout.nodes]
     )
-    loops = cleanup.detach_loops([layout.storage_dir, layout.kubelet_dir], fuse_devices)
-    cleanup.remove_cgroups()
+    loops = cleanup.detach_loops(
+        [layout.storage_dir, layout.kubelet_dir, *(n.dir / "csi-state" for n in layout.nodes)],
+        fuse_devices,
+    )
+    cleanup.remove_cgroups(cgroups)
     network.down(layout.nodes)
     _step(
         report,

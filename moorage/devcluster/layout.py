@@ -42,6 +42,21 @@ class Node:
         return f"10.215.{self.index}.0/24"
 
     @property
+    def first(self) -> bool:
+        """The first node shares the host's mount table; the others have their own."""
+        return self.index == 1
+
+    @property
+    def mount_ns(self) -> Path | None:
+        """The file pinning a later node's mount namespace (None: the host's)."""
+        return None if self.first else Path("/run/moorage-e2e") / f"{self.name}.mnt"
+
+    @property
+    def cgroup_root(self) -> str:
+        """Where this node's kubelet puts its pods, in every cgroup hierarchy."""
+        return f"moorage-e2e-{self.name}"
+
+    @property
     def veth(self) -> str:
         """The veth end on the bridge, in the control plane's namespace."""
         return f"mre2e-{self.name}"
@@ -93,7 +108,7 @@ class Layout:
 
     @property
     def nodes(self) -> list[Node]:
-        return [Node(1, "node-a", self.root)]
+        return [Node(1, "node-a", self.root), Node(2, "node-b", self.root)]
 
     @property
     def storage_node(self) -> Node:

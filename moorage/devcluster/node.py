@@ -113,6 +113,8 @@ def _kubelet_config(layout: Layout, node: Node) -> Path:
         "kind": "KubeletConfiguration",
         "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
         "cgroupDriver": "cgroupfs",
+        # each node's pods under a cgroup of its own: two kubelets share this host
+        "cgroupRoot": f"/{node.cgroup_root}",
         "failSwapOn": False,
         "authentication": {
             "anonymous": {"enabled": False},
@@ -170,12 +172,75 @@ def ctr(node: Node, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def v1_hierarchies() -> list[Path]:
+    """The cgroup v1 hierarchies kubelet's cgroupfs driver writes to."""
+    return [h for h in sorted(CGROUP_ROOT.iterdir()) if h.is_dir() and h.name != "unified"]
+
+
+def make_cgroup_root(node: Node) -> None:
+    """The node's cgroup root in every hierarchy (kubelet wants it to exist)."""
+    for hierarchy in v1_hierarchies():
+        root = hierarchy / node.cgroup_root
+        root.mkdir(exist_ok=True)
+        if hierarchy.name == "cpuset":  # an empty cpuset admits no task
+            for key in ("cpuset.cpus", "cpuset.mems"):
+                if not (root / key).read_text().strip():
+                    (root / key).write_text((hierarchy / key).read_text())
+
+
+def make_mount_namespace(layout: Layout, node: Node) -> None:
+    """A later node's own mount namespace: its kubelet directory and plugin state.
+
+    The chart gives every node the same host paths (/var/lib/kubelet, the
+    plugin's state directory); on one machine the second kubelet gets its
+    own by bind mounts inside a mount namespace pinned by a file.
+    """
+    pin = node.mount_ns
+    if pin is None or _pinned(pin):
+        return
+    pin.parent.mkdir(parents=True, exist_ok=True)
+    # `unshare --mount=FILE` needs FILE on a mount that does not propagate
+    if str(pin.parent) not in _mount_points():
+        subprocess.run(["mount", "--bind", str(pin.parent), str(pin.parent)], check=True)
+    subprocess.run(["mount", "--make-private", str(pin.parent)], check=True)
+    pin.touch()
+    kubelet = node.dir / "kubelet"
+    state = node.dir / "csi-state"
+    for d in (kubelet, state, layout.kubelet_dir, layout.csi_state_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    # shared inside the namespace: the plugin's Bidirectional mount of it needs that
+    script = (
+        f"mount --bind {kubelet} {layout.kubelet_dir} && "
+        f"mount --make-rshared {layout.kubelet_dir} && "
+        f"mount --bind {state} {layout.csi_state_dir}"
+    )
+    subprocess.run(
+        ["unshare", f"--mount={pin}", "--propagation", "private", "sh", "-c", script],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
+def _mount_points() -> list[str]:
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+
+
+def _pinned(pin: Path) -> bool:
+    return pin.exists() and str(pin) in _mount_points()
+
+
 def start_containerd(layout: Layout, node: Node) -> None:
     node.dir.mkdir(parents=True, exist_ok=True)
     config = _containerd_config(node)
     _cni_config(node)
     name = f"containerd-{node.name}"
-    procs.start(layout, name, ["containerd", f"--config={config}"], netns=node.netns)
+    procs.start(
+        layout, name, ["containerd", f"--config={config}"], netns=node.netns, mountns=node.mount_ns
+    )
     procs.wait_for(
         f"{name} socket",
         lambda: ctr(node, "version").returncode == 0,
@@ -232,6 +297,7 @@ def start_kubelet(layout: Layout, node: Node, tools: Tools) -> None:
             f"--cert-dir={node.dir / 'kubelet-pki'}",
         ],
         netns=node.netns,
+        mountns=node.mount_ns,
     )
 
 
@@ -242,4 +308,5 @@ def start_proxy(layout: Layout, node: Node, tools: Tools) -> None:
         f"kube-proxy-{node.name}",
         [tools.kube("kube-proxy"), f"--config={config}"],
         netns=node.netns,
+        mountns=node.mount_ns,
     )

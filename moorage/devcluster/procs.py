@@ -1,7 +1,9 @@
 """The cluster's daemons: started detached in a network namespace, found again by pid file.
 
 Each daemon is started through ``nsenter --net`` (only the network namespace
-changes: the kubelet's mounts must land in the host's mount table), in a
+changes: the first node's mounts must land in the host's mount table; a
+second node's kubelet also enters a mount namespace of its own, where its
+/var/lib/kubelet is its own), in a
 session of its own so it outlives ``moorage dev cluster up``, with its
 output in ``logs/NAME.log`` and its pid in ``pids/NAME.pid``.  The pid file
 also holds the process's start time, so a recycled pid is never signalled.
@@ -38,6 +40,7 @@ def start(
     argv: Sequence[str],
     *,
     netns: str,
+    mountns: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> int:
     """Start ``argv`` in ``netns``; returns its pid (already running ones are left alone)."""
@@ -48,7 +51,13 @@ def start(
     log = (layout.logs / f"{name}.log").open("ab")
     try:
         process = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{netns}", "--", *argv],
+            [
+                "nsenter",
+                f"--net=/run/netns/{netns}",
+                *([f"--mount={mountns}"] if mountns else []),
+                "--",
+                *argv,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
