@@ -177,7 +177,7 @@ def _quick_to_stop(doc: dict[str, Any]) -> None:
 
 @pytest.fixture
 def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
-    name = "e2e-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:50]
+    name = "e2e-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:50].strip("-")
     # one left by an earlier run may still be going
     cluster.kube.wait_until(
         f"namespace {name} free", lambda: cluster.kube.get("namespace", name) is None, 300
