@@ -116,7 +116,7 @@ e2e-tools: $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) $(MOORAGE_ETCD) $(MOORAGE_
 # `make cluster-up` is running (then it is used and left up).
 E2E_ARGS ?= tests/e2e
 e2e: host proto e2e-tools $(IMAGE)
-	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA \
+	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA -s \
 		--timeout=1200 $(E2E_ARGS)
 
 cluster-up: host proto e2e-tools $(IMAGE)
