@@ -9,6 +9,7 @@ Every step is printed with the time since the session started.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -199,6 +200,72 @@ def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
             timeout=180,
         )
         step(f"namespace {name} and its volumes deleted")
+
+
+def claim(
+    name: str,
+    storage_class: str,
+    mode: str = "ReadWriteOnce",
+    size: str = "1Gi",
+    source: dict[str, str] | None = None,
+    block: bool = False,
+) -> dict[str, Any]:
+    """A PersistentVolumeClaim manifest."""
+    spec: dict[str, Any] = {
+        "accessModes": [mode],
+        "storageClassName": storage_class,
+        "resources": {"requests": {"storage": size}},
+    }
+    if source:
+        spec["dataSource"] = source
+    if block:
+        spec["volumeMode"] = "Block"
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": spec}  # fmt: skip
+
+
+def busybox_pod(name: str, command: str, mounts: dict[str, str]) -> dict[str, Any]:
+    """A busybox pod running ``command`` with each claim of ``mounts`` at its path."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "busybox:1.35",
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["/bin/sh", "-c", command],
+                    "volumeMounts": [{"name": c, "mountPath": p} for c, p in mounts.items()],
+                }
+            ],
+            "volumes": [{"name": c, "persistentVolumeClaim": {"claimName": c}} for c in mounts],
+        },
+    }
+
+
+def replicas_ready(ns: Namespace, deployment: str, count: int) -> None:
+    def ready() -> bool:
+        status = (ns.get("deployment", deployment) or {}).get("status", {})
+        return bool(status.get("readyReplicas") == count)
+
+    ns.wait(f"{count} replicas ready", ready)
+
+
+def each_reads_the_others(ns: Namespace, pods: list[str], message: str) -> None:
+    """Every pod reads every pod's /data/<name> and finds ``message``."""
+
+    def reads(reader: str, writer: str) -> bool:
+        return ns.exec(reader, "cat", f"/data/{writer}").strip() == message
+
+    for reader in pods:
+        for writer in pods:
+            ns.wait(
+                f"{reader} reads {writer}'s file",
+                functools.partial(reads, reader, writer),
+                timeout=60,
+            )
 
 
 def host_mounts() -> list[tuple[str, str, str]]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from tests.e2e.conftest import Namespace, step
+from tests.e2e.conftest import Namespace, each_reads_the_others, replicas_ready, step
 
 MESSAGE = "Hello, Kubernetes!"
 
@@ -17,32 +16,14 @@ def _writers(doc: dict[str, Any]) -> None:
         container["args"] = [f'echo "{MESSAGE}" > /data/$(hostname) && sleep 3600']
 
 
-def _reads(ns: Namespace, reader: str, writer: str) -> bool:
-    return ns.exec(reader, "cat", f"/data/{writer}").strip() == MESSAGE
-
-
 def test_two_replicas_read_each_others_file(ns: Namespace) -> None:
     ns.example("dynamic-rwx-deployment.yaml", _writers)
     claim = ns.bound("moorage-shared")
     step(f"PV {claim['spec']['volumeName']} provisioned by csi-provisioner")
-    ns.wait(
-        "2 replicas ready",
-        lambda: (
-            (ns.get("deployment", "moorage-shared-writer") or {})
-            .get("status", {})
-            .get("readyReplicas")
-            == 2
-        ),
-    )
+    replicas_ready(ns, "moorage-shared-writer", 2)
     pods = [p["metadata"]["name"] for p in ns.pods("app=moorage-shared-writer")]
     assert len(pods) == 2
-    for reader in pods:
-        for writer in pods:
-            ns.wait(
-                f"{reader} reads {writer}'s file",
-                functools.partial(_reads, ns, reader, writer),
-                timeout=60,
-            )
+    each_reads_the_others(ns, pods, MESSAGE)
     pv = ns.kube.get("pv", claim["spec"]["volumeName"])
     assert pv["spec"]["csi"]["driver"] == "csi.moorage.dev"
     assert pv["spec"]["accessModes"] == ["ReadWriteMany"]

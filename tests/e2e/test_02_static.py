@@ -5,27 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.e2e.conftest import Cluster, Namespace, step
-
-
-def _pod(name: str, claim: str, command: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [
-                {
-                    "name": "app",
-                    "image": "busybox:1.35",
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["/bin/sh", "-c", command],
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                }
-            ],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
-        },
-    }
+from tests.e2e.conftest import Cluster, Namespace, busybox_pod, step
 
 
 def test_static_pv_by_volume_handle(cluster: Cluster, ns: Namespace) -> None:
@@ -47,7 +27,9 @@ def test_static_pv_by_volume_handle(cluster: Cluster, ns: Namespace) -> None:
     claim_name = ns.get("pvc")["items"][0]["metadata"]["name"]
     claim = ns.bound(claim_name)
     assert claim["spec"]["volumeName"] == name
-    ns.apply(_pod("static-user", claim_name, "echo static > /data/f && sleep 3600"))
+    ns.apply(
+        busybox_pod("static-user", "echo static > /data/f && sleep 3600", {claim_name: "/data"})
+    )
     ns.pod_running("static-user")
     assert ns.exec("static-user", "cat", "/data/f").strip() == "static"
     step("the pod wrote and read the statically provisioned volume (formatted at first stage)")
@@ -97,7 +79,11 @@ def test_static_pv_of_an_existing_nfs_share(cluster: Cluster, ns: Namespace) -> 
         claim = ns.bound("moorage-existing-share")
         assert claim["spec"]["volumeName"] == name
         ns.apply(
-            _pod("share-user", "moorage-existing-share", "echo shared > /data/f && sleep 3600")
+            busybox_pod(
+                "share-user",
+                "echo shared > /data/f && sleep 3600",
+                {"moorage-existing-share": "/data"},
+            )
         )
         ns.pod_running("share-user")
         assert ns.exec("share-user", "cat", "/data/f").strip() == "shared"

@@ -4,41 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import Namespace, step
+from tests.e2e.conftest import Namespace, busybox_pod, claim, step
 
 GI = 1 << 30
-
-
-def _claim_and_pod(storage_class: str, mode: str) -> list[dict[str, object]]:
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "grow"},
-            "spec": {
-                "accessModes": [mode],
-                "storageClassName": storage_class,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "grow-user"},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "app",
-                        "image": "busybox:1.35",
-                        "imagePullPolicy": "IfNotPresent",
-                        "command": ["/bin/sh", "-c", "sleep 3600"],
-                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                    }
-                ],
-                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "grow"}}],
-            },
-        },
-    ]
 
 
 def _df_bytes(ns: Namespace) -> int:
@@ -54,7 +22,12 @@ def _df_bytes(ns: Namespace) -> int:
     [("moorage-block-xfs", "ReadWriteOnce"), ("moorage-nfs", "ReadWriteMany")],
 )
 def test_expansion_reaches_the_pod(ns: Namespace, storage_class: str, mode: str) -> None:
-    ns.apply(_claim_and_pod(storage_class, mode))
+    ns.apply(
+        [
+            claim("grow", storage_class, mode),
+            busybox_pod("grow-user", "sleep 3600", {"grow": "/data"}),
+        ]
+    )
     ns.bound("grow")
     ns.pod_running("grow-user")
     before = _df_bytes(ns)

@@ -2,43 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from tests.e2e.conftest import Namespace, step
-
-
-def _reader(name: str, claim: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [
-                {
-                    "name": "app",
-                    "image": "busybox:1.35",
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["/bin/sh", "-c", "sleep 3600"],
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                }
-            ],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
-        },
-    }
-
-
-def _claim(name: str, source: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "moorage-block",
-            "dataSource": source,
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    }
+from tests.e2e.conftest import Namespace, busybox_pod, claim, step
 
 
 def test_snapshot_restore_and_clone_hold_the_data(ns: Namespace) -> None:
@@ -58,16 +22,20 @@ def test_snapshot_restore_and_clone_hold_the_data(ns: Namespace) -> None:
             is True
         ),
     )
-    ns.apply(_reader("restored-reader", "moorage-block-restored"))
+    ns.apply(busybox_pod("restored-reader", "sleep 3600", {"moorage-block-restored": "/data"}))
     ns.bound("moorage-block-restored")
     ns.pod_running("restored-reader")
     assert ns.exec("restored-reader", "cat", "/data/mark").strip() == "snapshotted"
     step("the claim restored from the snapshot holds the data")
 
     ns.apply(
-        _claim("moorage-block-clone", {"kind": "PersistentVolumeClaim", "name": "moorage-block"})
+        claim(
+            "moorage-block-clone",
+            "moorage-block",
+            source={"kind": "PersistentVolumeClaim", "name": "moorage-block"},
+        )
     )
-    ns.apply(_reader("clone-reader", "moorage-block-clone"))
+    ns.apply(busybox_pod("clone-reader", "sleep 3600", {"moorage-block-clone": "/data"}))
     ns.bound("moorage-block-clone")
     ns.pod_running("clone-reader")
     assert ns.exec("clone-reader", "cat", "/data/mark").strip() == "snapshotted"

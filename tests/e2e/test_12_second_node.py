@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import subprocess
 from typing import Any
 
-from tests.e2e.conftest import Cluster, Namespace, step
+from tests.e2e.conftest import (
+    Cluster,
+    Namespace,
+    each_reads_the_others,
+    replicas_ready,
+    step,
+)
 
 MESSAGE = "Hello, Kubernetes!"
 TOLERATE_SECOND_NODE = {"key": "moorage.dev/e2e-second-node", "operator": "Exists"}
@@ -31,33 +36,14 @@ def _spread(doc: dict[str, Any]) -> None:
     }
 
 
-def _reads(ns: Namespace, reader: str, writer: str) -> bool:
-    return ns.exec(reader, "cat", f"/data/{writer}").strip() == MESSAGE
-
-
 def test_rwx_volume_shared_by_pods_on_two_nodes(cluster: Cluster, ns: Namespace) -> None:
     ns.example("dynamic-rwx-deployment.yaml", _spread)
     ns.bound("moorage-shared")
-    ns.wait(
-        "2 replicas ready",
-        lambda: (
-            (ns.get("deployment", "moorage-shared-writer") or {})
-            .get("status", {})
-            .get("readyReplicas")
-            == 2
-        ),
-    )
+    replicas_ready(ns, "moorage-shared-writer", 2)
     pods = ns.pods("app=moorage-shared-writer")
     nodes = {p["spec"]["nodeName"] for p in pods}
     assert nodes == {n.name for n in cluster.layout.nodes}, nodes
-    names = [p["metadata"]["name"] for p in pods]
-    for reader in names:
-        for writer in names:
-            ns.wait(
-                f"{reader} reads {writer}'s file",
-                functools.partial(_reads, ns, reader, writer),
-                timeout=60,
-            )
+    each_reads_the_others(ns, [p["metadata"]["name"] for p in pods], MESSAGE)
     step("replicas on node-a and node-b read each other's files")
 
 
