@@ -142,6 +142,8 @@ demo: host proto
 lint: proto
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/deptry .
 
 typecheck: proto
 	$(VENV)/bin/mypy
@@ -152,6 +154,8 @@ unit: proto tools
 test: host proto tools $(IMAGE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/deptry .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
