@@ -50,6 +50,24 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float) -> int:
         return proc.wait()
 
 
+def go_module_dir(module_at_version: str) -> Path:
+    """Where Go's module cache holds MODULE@VERSION (downloaded if missing)."""
+    import json
+    import shutil
+
+    go = os.environ.get("MOORAGE_GO") or shutil.which("go") or "/usr/local/go/bin/go"
+    result = subprocess.run(
+        [go, "mod", "download", "-json", module_at_version],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return Path(json.loads(result.stdout)["Dir"])
+
+
 def sparse_image(path: Path, size: int) -> Path:
     with path.open("wb") as f:
         f.truncate(size)

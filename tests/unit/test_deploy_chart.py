@@ -8,7 +8,6 @@ read from their Go modules, at the versions the chart's images name.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, go_module_dir
 
 CHART = REPO / "deploy" / "helm" / "moorage"
 MANIFESTS = REPO / "deploy" / "kubernetes" / "moorage.yaml"
@@ -307,19 +306,9 @@ def test_ports_on_the_host_network_do_not_clash(
 
 def sidecar_rules(kind: str, values: dict[str, Any]) -> list[dict[str, Any]]:
     """The ClusterRole rules of a sidecar's own rbac.yaml, at the chart's version."""
-    go = os.environ.get("MOORAGE_GO") or "go"
     module, path = SIDECAR_RBAC[kind]
     tag = values["images"][kind]["tag"]
-    result = subprocess.run(
-        [go, "mod", "download", "-json", f"{module}@{tag}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    source = Path(json.loads(result.stdout)["Dir"]) / path
+    source = go_module_dir(f"{module}@{tag}") / path
     roles = [d for d in yaml.safe_load_all(source.read_text()) if d and d["kind"] == "ClusterRole"]
     assert roles, f"no ClusterRole in {source}"
     return [rule for role in roles for rule in role["rules"]]

@@ -10,11 +10,7 @@ checked against ours.
 from __future__ import annotations
 
 import importlib.resources
-import json
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +18,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
-from tests.conftest import REPO
+from tests.conftest import REPO, go_module_dir
 
 # The staging module of Kubernetes v1.34.4 (the Makefile's KUBERNETES_VERSION).
 KUBELET_MODULE = "k8s.io/kubelet@v0.34.4"
@@ -31,17 +27,7 @@ OURS = "csi/proto/pluginregistration.proto"
 
 
 def kubelet_api_dir() -> Path:
-    go = os.environ.get("MOORAGE_GO") or shutil.which("go") or "/usr/local/go/bin/go"
-    result = subprocess.run(
-        [go, "mod", "download", "-json", KUBELET_MODULE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return Path(json.loads(result.stdout)["Dir"]) / API_DIR
+    return go_module_dir(KUBELET_MODULE) / API_DIR
 
 
 def compile_proto(include: Path, name: str, out: Path) -> descriptor_pb2.FileDescriptorProto:
