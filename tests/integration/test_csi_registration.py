@@ -13,6 +13,7 @@ import os
 import socket
 import stat
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +44,23 @@ def registration_socket(plugin: CsiPlugin) -> Path:
     return plugin.root / "registry" / SOCKET_NAME
 
 
+def start_registering(plugin: CsiPlugin, timeout: float = 30) -> CsiPlugin:
+    """Start ``plugin`` and wait for its registration socket too.
+
+    The plugin offers itself to kubelet only once its CSI socket answers, so
+    the registration socket appears a moment after ``start()`` returns.
+    """
+    plugin.start()
+    deadline = time.monotonic() + timeout
+    while not registration_socket(plugin).exists():
+        if plugin.proc is not None and plugin.proc.poll() is not None:
+            raise RuntimeError(f"plugin exited {plugin.proc.returncode}:\n{plugin.log_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no registration socket after {timeout}s:\n{plugin.log_text()}")
+        time.sleep(0.05)
+    return plugin
+
+
 def kubelet_stub(plugin: CsiPlugin) -> tuple[grpc.Channel, reg_grpc.RegistrationStub]:
     channel = grpc.insecure_channel(f"unix://{registration_socket(plugin)}")
     return channel, reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
@@ -50,7 +68,7 @@ def kubelet_stub(plugin: CsiPlugin) -> tuple[grpc.Channel, reg_grpc.Registration
 
 @pytest.fixture
 def plugin(tmp_path: Path) -> Iterator[CsiPlugin]:
-    started = registering_plugin(tmp_path).start()
+    started = start_registering(registering_plugin(tmp_path))
     try:
         yield started
     finally:
@@ -130,7 +148,7 @@ def test_a_stale_socket_and_a_half_made_one_are_replaced(tmp_path: Path) -> None
     half_made.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(half_made / "s"))  # killed between bind and rename
-    stale_plugin.start()
+    start_registering(stale_plugin)
     try:
         channel, stub = kubelet_stub(stale_plugin)
         with channel:
