@@ -18,16 +18,10 @@ from pathlib import Path
 
 from backend.commands import run
 from backend.errors import FailedPrecondition, InvalidArgument, Unavailable
-from backend.pool import (
-    XFS_MIN_IMAGE,
-    detach_loops,
-    fs_type_of,
-    fsync_path,
-    loop_devices,
-    mount_table,
-    mounts_under,
-    unmount,
-)
+from backend.filesystems import XFS_MIN_IMAGE, fs_type_of
+from backend.imagefiles import fsync_path
+from backend.loopdevices import detach_loops, loop_devices
+from backend.mounts import mount_table, mounts_under, unmount
 
 log = logging.getLogger("moorage.backend.poolinit")
 

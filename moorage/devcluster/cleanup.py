@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from backend.pool import loop_backing_id, loop_devices
+from backend.loopdevices import loop_backing_id, loop_devices
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: the cgroup moorage's node plugin moves its FUSE daemons to (chart: node.fuseCgroup)
@@ -111,7 +111,7 @@ def detach_loops(prefixes: list[Path], devices: set[int]) -> list[str]:
 
     Files under the prefixes are found as the storage node finds its own (a
     loop attached inside a pod names its file relative to a mount the host
-    never had: backend.pool); ``devices`` catches files of filesystems that
+    never had: backend.loopdevices); ``devices`` catches files of filesystems that
     are gone or dead, such as a FUSE block file whose daemon was killed.
     """
     candidates = {d for prefix in prefixes for d in loop_devices(prefix)}

@@ -43,7 +43,8 @@ import grpc
 import pytest
 
 from backend.client import BackendClient
-from backend.pool import loop_devices, mount_table
+from backend.loopdevices import loop_devices
+from backend.mounts import mount_table
 from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO, run

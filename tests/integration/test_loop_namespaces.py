@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from backend.pool import detach_loops, loop_devices
+from backend.loopdevices import detach_loops, loop_devices
 
 
 def test_loop_attached_in_a_vanished_mount_namespace_is_found(tmp_path: Path) -> None:

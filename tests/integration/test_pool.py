@@ -29,7 +29,8 @@ from backend.errors import (
     NotFound,
     Unavailable,
 )
-from backend.pool import XFS_MIN_IMAGE, Pool, fs_image_size
+from backend.filesystems import XFS_MIN_IMAGE, fs_image_size
+from backend.pool import Pool
 from backend.poolinit import (
     ensure_pool_mounted,
     init_loop_pool,
@@ -186,17 +187,6 @@ def test_layout_paths_and_id_validation(tmp_path: Path) -> None:
         pool.create_block_image(vid, 0)
     with pytest.raises(InvalidArgument):
         fs_image_size(GiB, "btrfs")
-
-
-def test_fs_image_size_is_monotonic_and_respects_the_xfs_minimum() -> None:
-    for fs_type in ("xfs", "ext4"):
-        sizes = [1, MiB, 64 * MiB, 299 * MiB, 300 * MiB, GiB, 5 * GiB, 1 << 40]
-        images = [fs_image_size(s, fs_type) for s in sizes]
-        assert images == sorted(images)
-        assert all(
-            image > size and image % MiB == 0 for image, size in zip(images, sizes, strict=True)
-        )
-    assert fs_image_size(1, "xfs") == XFS_MIN_IMAGE
 
 
 def test_reflink_probe_is_true_on_xfs_and_false_on_ext4(xfs_pool: Pool, ext4_pool: Pool) -> None:

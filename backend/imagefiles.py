@@ -1,0 +1,110 @@
+"""Image files that only appear under their final name complete.
+
+A file is built under a hidden ``.<name>.tmp-<token>`` beside its final
+name, fsynced, then hard-linked into place, which never replaces a file
+already there; a crash leaves at most temporary files (their names hold
+:data:`TEMP_MARK`).  Copies are reflinks (FICLONE) where the filesystem
+shares extents, otherwise sparse: only the data extents (SEEK_DATA /
+SEEK_HOLE) are copied, so holes stay holes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+from pathlib import Path
+
+from backend.errors import AlreadyExists
+
+MiB = 1 << 20
+FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
+TEMP_MARK = ".tmp-"
+NO_REFLINK = {errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS}
+
+
+def _clone_or_copy(src_fd: int, dst_fd: int) -> bool:
+    """Reflink ``src`` into ``dst`` (True) or copy its data extents only (False)."""
+    try:
+        fcntl.ioctl(dst_fd, FICLONE, src_fd)
+        return True
+    except OSError as e:
+        if e.errno not in NO_REFLINK:
+            raise
+    size = os.fstat(src_fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(src_fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole is left
+                break
+            raise
+        hole = os.lseek(src_fd, data, os.SEEK_HOLE)
+        _copy_range(src_fd, dst_fd, data, hole - data)
+        pos = hole
+    os.ftruncate(dst_fd, size)
+    return False
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
+    end = offset + length
+    while offset < end:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, min(end - offset, 1 << 30), offset, offset)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            n = os.pwrite(dst_fd, os.pread(src_fd, min(end - offset, 4 * MiB), offset), offset)
+        if n == 0:  # the source shrank under us
+            return
+        offset += n
+
+
+def temp_for(final: Path) -> Path:
+    """A fresh hidden temporary name beside ``final``."""
+    return final.with_name(f".{final.name}{TEMP_MARK}{secrets.token_hex(4)}")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(temp: Path, final: Path) -> None:
+    """Give a complete temp file its final name, never replacing an existing file."""
+    fsync_path(temp)
+    try:
+        os.link(temp, final)
+    except FileExistsError as e:
+        raise AlreadyExists(f"{final} already exists") from e
+    finally:
+        temp.unlink(missing_ok=True)
+    fsync_path(final.parent)
+
+
+def make_sparse_file(path: Path, size: int, mode: int) -> None:
+    """A new file of ``size`` bytes, all hole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def copy_into(src: Path, temp: Path) -> bool:
+    """Reflink or sparse-copy ``src`` into a new file ``temp``; True if reflinked."""
+    src_fd = os.open(src, os.O_RDONLY)
+    try:
+        dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            return _clone_or_copy(src_fd, dst_fd)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)

@@ -1,0 +1,59 @@
+"""Mounts on the storage node: the kernel's mount table, loop-mounting an image, unmounting.
+
+The table is read from /proc/self/mountinfo, so it is this process's mount
+namespace as the kernel sees it, not what a mount helper remembers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+from backend.commands import run
+from backend.errors import CommandFailed, FailedPrecondition
+
+_TIMEOUT = 120.0
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_table() -> dict[Path, str]:
+    """Mount point -> mount source, from /proc/self/mountinfo (the topmost mount wins)."""
+    table: dict[Path, str] = {}
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            source = fields[fields.index("-", 6) + 2]
+            table[Path(_unescape(fields[4]))] = _unescape(source)
+    return table
+
+
+def mounts_under(path: Path) -> list[Path]:
+    """Mount points at or below ``path``, deepest first (the order to unmount them)."""
+    found = [p for p in mount_table() if p == path or path in p.parents]
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def unmount(mount_point: Path) -> None:
+    """Unmount everything stacked on ``mount_point``; a busy one is FailedPrecondition.
+
+    Each is thawed first: unmounting a frozen filesystem succeeds but keeps its
+    superblock, and so its loop device, alive until someone thaws it.
+    """
+    while mount_point in mount_table():
+        with contextlib.suppress(CommandFailed):  # EINVAL when it is not frozen
+            run(["fsfreeze", "-u", str(mount_point)], timeout=_TIMEOUT)
+        try:
+            run(["umount", str(mount_point)], timeout=_TIMEOUT)
+        except CommandFailed as e:
+            if "busy" in e.stderr:
+                raise FailedPrecondition(f"{mount_point} is busy: {e.stderr.strip()}") from e
+            raise
+
+
+def mount_loop(image: Path, mount_point: Path, fs_type: str, options: str) -> None:
+    """Mount the filesystem in the file ``image`` on ``mount_point`` (``options`` hold "loop")."""
+    run(["mount", "-t", fs_type, "-o", options, str(image), str(mount_point)], timeout=_TIMEOUT)
