@@ -1,8 +1,10 @@
 """The CSI Controller service: volumes, snapshots and publications on the storage nodes.
 
-(Over 500 lines with a reason: one file per CSI service, as csi-driver-host-path
-has it; what the RPCs share lives beside it in ``requests``, ``messages``,
-``paging``, ``topology``, ``parameters`` and ``capabilities``.)
+One file per CSI service, as csi-driver-host-path has it; what the RPCs
+share lives beside it in ``requests``, ``messages``, ``paging``,
+``topology``, ``parameters`` and ``capabilities``, CreateVolume's placement
+and idempotency in ``provisioning``, the storage-node lookups in ``lookups``,
+and the cache of volume types in ``volumekinds``.
 
 The controller keeps no state: every id names its storage node
 (``csi/ids.py``), so any replica answers any call.  Each call that changes
@@ -14,15 +16,13 @@ their status code (``csi/errors.py``).
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
 
 from backend.proto import backend_pb2 as bpb
-from csi import capabilities, messages, parameters, topology
+from csi import capabilities, lookups, messages, parameters, provisioning, topology
 from csi.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -38,6 +38,7 @@ from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from csi.requests import MAX_SIZE, MIN_SIZE, backend_name, requested_size, require
 from csi.storagenodes import StorageNodes
+from csi.volumekinds import VolumeKinds
 
 log = logging.getLogger("moorage.csi.controller")
 
@@ -62,7 +63,6 @@ CAPABILITIES = (
 )
 
 T = TypeVar("T")
-KNOWN_KINDS = 100_000  # volume id -> type, for publishes without a lookup
 
 
 # ------------------------------------------------------------ the service
@@ -72,8 +72,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def __init__(self, storage_nodes: StorageNodes) -> None:
         self.nodes = storage_nodes
         self.locks = OperationLocks()
-        self._kinds: OrderedDict[str, str] = OrderedDict()
-        self._kinds_lock = threading.Lock()
+        self._kinds = VolumeKinds()
 
     # -- shared pieces
 
@@ -87,35 +86,15 @@ class ControllerService(pb_grpc.ControllerServicer):
     def _call(self, node: str, fn: Callable[..., T], secrets: Mapping[str, str] | None = None) -> T:
         return self.nodes.call(node, fn, secrets)
 
-    def _find_volume(
-        self, ref: ObjectRef, secrets: Mapping[str, str] | None = None
-    ) -> bpb.Volume | None:
-        try:
-            v: bpb.Volume = self._call(
-                ref.storage_node, lambda c: c.get_volume(volume_id=ref.backend_id), secrets
-            )
-            return v
-        except NotFound:
-            return None
-
     def _volume(self, ref: ObjectRef, secrets: Mapping[str, str] | None = None) -> bpb.Volume:
-        v = self._find_volume(ref, secrets)
+        v = lookups.find_volume(self.nodes, ref, secrets)
         if v is None:
             raise NotFound(f"volume {ref} does not exist")
-        self._remember(str(ref), v)
+        self._kinds.remember(str(ref), v)
         return v
 
-    def _remember(self, volume_id: str, v: bpb.Volume) -> None:
-        """A volume's type never changes: kept, so a publish needs no lookup."""
-        with self._kinds_lock:
-            self._kinds[volume_id] = messages.VOLUME_TYPES[v.type]
-            self._kinds.move_to_end(volume_id)
-            while len(self._kinds) > KNOWN_KINDS:
-                self._kinds.popitem(last=False)
-
     def _kind(self, ref: ObjectRef, secrets: Mapping[str, str] | None = None) -> str:
-        with self._kinds_lock:
-            kind = self._kinds.get(str(ref))
+        kind = self._kinds.get(str(ref))
         return kind or messages.VOLUME_TYPES[self._volume(ref, secrets).type]
 
     def _volume_message(self, node: str, v: bpb.Volume) -> pb.Volume:
@@ -148,7 +127,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             request.capacity_range if request.HasField("capacity_range") else None
         )
         create_params = parameters.backend_parameters(kind, params)
-        source_ref, source_kind = self._content_source(request)
+        source_ref, source_kind = provisioning.content_source(self.nodes.config, request)
         secrets = request.secrets
         labels = dict(params.labels)
         if params.fs_type:
@@ -163,179 +142,50 @@ class ControllerService(pb_grpc.ControllerServicer):
         if name != request.name:
             labels[NAME_LABEL] = request.name[:512]
         with self.locks.hold(f"name:{name}"):
-            sole = self._sole_storage_node(request, params, source_ref)
+            sole = provisioning.sole_storage_node(self.nodes.config, request, params, source_ref)
             if sole is not None:
                 # One storage node: its own create is idempotent by name, so the
                 # lookup is needed only when it reports the name taken.
                 try:
-                    v = self._create_on(
-                        sole, name, kind, size, create_params, source_ref, source_kind,
+                    v = provisioning.create_on(
+                        self.nodes, sole, name, kind, size, create_params, source_ref, source_kind,
                         labels, secrets,
                     )  # fmt: skip
-                    self._remember(f"{sole}:{v.id}", v)
+                    self._kinds.remember(f"{sole}:{v.id}", v)
                     return pb.CreateVolumeResponse(volume=self._volume_message(sole, v))
                 except AlreadyExists:
                     pass  # another size or parameters: compared below as the spec says
-            found = self._existing(name, secrets)
+            found = lookups.volume_named(self.nodes, name, secrets)
             if found is not None:
                 node, v = found
-                self._check_same(v, kind, size, limit, create_params, source_ref, source_kind)
+                provisioning.check_same(
+                    v, kind, size, limit, create_params, source_ref, source_kind
+                )
                 if v.state != "ready":  # a create a crash interrupted: finish it
-                    v = self._create_on(
-                        node, name, kind, v.size_bytes, create_params, source_ref,
+                    v = provisioning.create_on(
+                        self.nodes, node, name, kind, v.size_bytes, create_params, source_ref,
                         source_kind, labels, secrets,
                     )  # fmt: skip
                 return pb.CreateVolumeResponse(volume=self._volume_message(node, v))
             failures: list[str] = []
-            order = self._placement(request, params, source_ref, size, secrets, failures)
+            order = provisioning.placement(
+                self.nodes, request, params, source_ref, size, secrets, failures
+            )
             for node in order:
                 try:
-                    v = self._create_on(
-                        node, name, kind, size, create_params, source_ref, source_kind,
+                    v = provisioning.create_on(
+                        self.nodes, node, name, kind, size, create_params, source_ref, source_kind,
                         labels, secrets,
                     )  # fmt: skip
                 except (Unavailable, ResourceExhausted) as e:
                     failures.append(e.message)
                     continue
                 log.info("volume %s:%s (%s) created for %s", node, v.id, kind, request.name)
-                self._remember(f"{node}:{v.id}", v)
+                self._kinds.remember(f"{node}:{v.id}", v)
                 return pb.CreateVolumeResponse(volume=self._volume_message(node, v))
             raise ResourceExhausted(
                 f"no storage node could create a {size}-byte {kind} volume: " + "; ".join(failures)
             )
-
-    def _sole_storage_node(
-        self,
-        request: pb.CreateVolumeRequest,
-        params: parameters.VolumeParameters,
-        source: ObjectRef | None,
-    ) -> str | None:
-        """The storage node, when only one is configured and the request allows it."""
-        if len(self.nodes.config.storage_nodes) != 1:
-            return None
-        requirement = (
-            request.accessibility_requirements
-            if request.HasField("accessibility_requirements")
-            else None
-        )
-        allowed = topology.candidates(self.nodes.config.storage_nodes, requirement)
-        if len(allowed) != 1:
-            return None
-        name = allowed[0].name
-        wanted = {params.storage_node, source.storage_node if source else None} - {None}
-        return name if wanted <= {name} else None
-
-    def _content_source(self, request: pb.CreateVolumeRequest) -> tuple[ObjectRef | None, str]:
-        if not request.HasField("volume_content_source"):
-            return None, ""
-        src = request.volume_content_source
-        which = src.WhichOneof("type")
-        if which == "snapshot":
-            sid = src.snapshot.snapshot_id
-            ref = parse_object_id(sid)
-            if ref is None or self.nodes.config.storage_node(ref.storage_node) is None:
-                raise NotFound(f"snapshot {sid[:140]!r} does not exist")
-            return ref, "snapshot"
-        if which == "volume":
-            vid = src.volume.volume_id
-            ref = parse_object_id(vid)
-            if ref is None or self.nodes.config.storage_node(ref.storage_node) is None:
-                raise NotFound(f"volume {vid[:140]!r} does not exist")
-            return ref, "volume"
-        raise InvalidArgument("volume_content_source has neither a snapshot nor a volume")
-
-    def _existing(self, name: str, secrets: Mapping[str, str]) -> tuple[str, bpb.Volume] | None:
-        """The volume of that name on any storage node.  Every storage node is
-        asked: one that cannot answer might hold it, so that is UNAVAILABLE
-        rather than a risk of two volumes for one name."""
-        for node in self.nodes.names:
-            try:
-                v = self._call(node, lambda c: c.get_volume(name=name), secrets)
-            except NotFound:
-                continue
-            return node, v
-        return None
-
-    @staticmethod
-    def _check_same(
-        v: bpb.Volume,
-        kind: str,
-        size: int,
-        limit: int,
-        params: Mapping[str, str],
-        source: ObjectRef | None,
-        source_kind: str,
-    ) -> None:
-        problems = []
-        if messages.VOLUME_TYPES[v.type] != kind:
-            problems.append(f"it is an {messages.VOLUME_TYPES[v.type]} volume")
-        if v.size_bytes < size or (limit and v.size_bytes > limit):
-            problems.append(f"its size is {v.size_bytes} bytes")
-        if dict(v.parameters) != dict(params):
-            problems.append("its parameters differ")
-        want_snap = source.backend_id if source and source_kind == "snapshot" else ""
-        want_vol = source.backend_id if source and source_kind == "volume" else ""
-        if v.source_snapshot_id != want_snap or v.source_volume_id != want_vol:
-            problems.append("its content source differs")
-        if problems:
-            raise AlreadyExists(f"a volume named {v.name!r} exists but " + ", ".join(problems))
-
-    def _placement(
-        self,
-        request: pb.CreateVolumeRequest,
-        params: parameters.VolumeParameters,
-        source: ObjectRef | None,
-        size: int,
-        secrets: Mapping[str, str],
-        failures: list[str],
-    ) -> list[str]:
-        requirement = (
-            request.accessibility_requirements
-            if request.HasField("accessibility_requirements")
-            else None
-        )
-        if params.storage_node is not None:
-            self.nodes.get(params.storage_node)  # NOT_FOUND when not configured
-        pinned = source.storage_node if source is not None else params.storage_node
-        if source is not None and params.storage_node not in (None, source.storage_node):
-            raise ResourceExhausted(
-                f"storageNode {params.storage_node} is not {source.storage_node}, where the "
-                "content source is"
-            )
-
-        def available(node: str) -> int:
-            return int(self._call(node, lambda c: c.capacity(), secrets).available_bytes)
-
-        return topology.place(
-            self.nodes.config.storage_nodes, requirement, pinned, size, available, failures
-        )
-
-    def _create_on(
-        self,
-        node: str,
-        name: str,
-        kind: str,
-        size: int,
-        params: Mapping[str, str],
-        source: ObjectRef | None,
-        source_kind: str,
-        labels: Mapping[str, str],
-        secrets: Mapping[str, str],
-    ) -> bpb.Volume:
-        req = bpb.CreateVolumeRequest(
-            name=name,
-            type=messages.BACKEND_TYPES[kind],
-            size_bytes=size,
-            parameters=params,
-            labels=labels,
-        )
-        if source is not None:
-            if source_kind == "snapshot":
-                req.snapshot_id = source.backend_id
-            else:
-                req.volume_id = source.backend_id
-        v: bpb.Volume = self._call(node, lambda c: c.create_volume(req), secrets)
-        return v
 
     def DeleteVolume(
         self, request: pb.DeleteVolumeRequest, context: grpc.ServicerContext
@@ -485,7 +335,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                 return pb.ControllerUnpublishVolumeResponse()
             names = [node.name]
         else:
-            v = self._find_volume(ref, request.secrets)
+            v = lookups.find_volume(self.nodes, ref, request.secrets)
             names = [p.node_id for p in v.publications] if v else []
         with self.locks.hold(str(ref)):
             for name in names:
@@ -598,12 +448,6 @@ class ControllerService(pb_grpc.ControllerServicer):
             )
         return pb.DeleteSnapshotResponse()
 
-    def _snapshots_page(
-        self, node: str, limit: int, token: str, source: str = ""
-    ) -> tuple[list[bpb.Snapshot], str]:
-        r = self._call(node, lambda c: c.list_snapshots(limit, token, source_volume_id=source))
-        return list(r.snapshots), r.next_token
-
     def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
     ) -> pb.ListSnapshotsResponse:
@@ -617,7 +461,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             ref = parse_object_id(request.snapshot_id)
             if ref is None or self.nodes.config.storage_node(ref.storage_node) is None:
                 return pb.ListSnapshotsResponse()
-            found = self._find_snapshot(ref, request.secrets)
+            found = lookups.find_snapshot(self.nodes, ref, request.secrets)
             if found is None or (
                 request.source_volume_id
                 and f"{ref.storage_node}:{found.source_volume_id}" != request.source_volume_id
@@ -631,35 +475,24 @@ class ControllerService(pb_grpc.ControllerServicer):
             names = [src.storage_node]  # a volume's snapshots live beside it
 
             def page(node: str, limit: int, token: str) -> tuple[list[bpb.Snapshot], str]:
-                return self._snapshots_page(node, limit, token, src.backend_id)
+                return lookups.snapshots_page(self.nodes, node, limit, token, src.backend_id)
 
         else:
             names = self.nodes.names
 
             def page(node: str, limit: int, token: str) -> tuple[list[bpb.Snapshot], str]:
-                return self._snapshots_page(node, limit, token)
+                return lookups.snapshots_page(self.nodes, node, limit, token)
 
         entries, next_token = paginate(
             names, request.max_entries, request.starting_token, page, entry
         )
         return pb.ListSnapshotsResponse(entries=entries, next_token=next_token)
 
-    def _find_snapshot(
-        self, ref: ObjectRef, secrets: Mapping[str, str] | None = None
-    ) -> bpb.Snapshot | None:
-        r = self._call(
-            ref.storage_node, lambda c: c.list_snapshots(snapshot_id=ref.backend_id), secrets
-        )
-        return r.snapshots[0] if r.snapshots else None
-
     def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.GetSnapshotResponse:
         ref = self._ref(require(request.snapshot_id, "snapshot_id"), "snapshot")
-        found = self._find_snapshot(ref, request.secrets)
+        found = lookups.find_snapshot(self.nodes, ref, request.secrets)
         if found is None:
             raise NotFound(f"snapshot {ref} does not exist")
         return pb.GetSnapshotResponse(snapshot=messages.snapshot(ref.storage_node, found))
-
-
-# ---------------------------------------------------------------- contexts
