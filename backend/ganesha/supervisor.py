@@ -3,7 +3,9 @@
 :class:`GaneshaSupervisor` is one long-lived trio task that owns a
 ``ganesha.nfsd -F`` child (and an ``rpcbind -f`` child when no rpcbind runs and
 NFSv3 needs one).  Ganesha's log goes to its stdout, which is read line by line
-into the ``moorage.ganesha`` logger.  Facts about ganesha 4.3 this relies on:
+into the ``moorage.ganesha`` logger (the children and their output:
+:mod:`backend.ganesha.children`; the port and RPC probes:
+:mod:`backend.ganesha.probes`).  Facts about ganesha 4.3 this relies on:
 
 - It is ready when an RPC NULL call to the NFS program on its port is answered
   (the sockets are bound a while before the service threads answer, and a
@@ -22,18 +24,8 @@ into the ``moorage.ganesha`` logger.  Facts about ganesha 4.3 this relies on:
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import ipaddress
 import logging
-import os
-import re
-import secrets
 import signal
-import socket
-import struct
-import subprocess
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,31 +35,18 @@ from typing import Final
 import trio
 
 from backend.errors import BackendError, FailedPrecondition, Unavailable
+from backend.ganesha.children import (
+    Child,
+    describe_exit,
+    spawn_child,
+    stop_child,
+    stop_recorded,
+)
 from backend.ganesha.config import CoreConfig
+from backend.ganesha.probes import NFS_PROGRAM, RPCBIND_PORT, accepts_tcp, port_in_use, rpc_ping
 
 log = logging.getLogger("moorage.ganesha")
 
-NFS_PROGRAM: Final = 100003
-RPCBIND_PORT: Final = 111
-
-_LINE = re.compile(
-    r"\[(?P<thread>[^\]]*)\] (?P<function>\S+) :(?P<component>[^:]*) :"
-    r"(?P<level>[A-Z_]+) :(?P<message>.*)"
-)
-_LEVELS: Final = {
-    "FATAL": logging.ERROR,
-    "MAJ": logging.ERROR,
-    "CRIT": logging.ERROR,
-    "WARN": logging.WARNING,
-    "EVENT": logging.INFO,
-    "INFO": logging.INFO,
-    "NULL": logging.INFO,
-}
-# Complaints a storage node without dbus, kerberos or rados always gets.
-_EXPECTED_COMPONENTS: Final = frozenset({"DBUS"})
-_EXPECTED_MESSAGES: Final = ("krb5", "keytab", "default realm", "RADOS URLs")
-
-_RELOAD_DONE: Final = "Reread exports complete"
 # ganesha tells filesystems apart by UUID, which it asks libblkid for, and
 # libblkid trusts its cache file (/run/blkid/blkid.tab) for entries probed in
 # the last two seconds.  A pool reuses loop devices within seconds, so a
@@ -76,113 +55,6 @@ _RELOAD_DONE: Final = "Reread exports complete"
 # "resolve_posix_filesystem ... No such file or directory".  Without a cache
 # file libblkid reads every device afresh.
 GANESHA_ENV: Final = {"BLKID_FILE": "/dev/null"}
-_RELOAD_FAILED: Final = (
-    "Error while parsing EXPORT entries",
-    "Error while parsing new configuration file",
-)
-
-
-@dataclass(eq=False)
-class _Child:
-    """A supervised process and the task draining its output."""
-
-    name: str
-    process: trio.Process
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
-    drained: trio.Event = field(default_factory=trio.Event)
-    drain_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    reloads_logged: int = 0
-    last_reload_ok: bool = True
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def tail_text(self) -> str:
-        return "\n".join(self.tail) or "(no output)"
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie nobody has reaped yet counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
-def _describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"status {returncode}"
-
-
-async def accepts_tcp(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether something accepts a TCP connection on ``host:port``."""
-    with trio.move_on_after(timeout):
-        try:
-            stream = await trio.open_tcp_stream(host, port)
-        except OSError:
-            return False
-        await stream.aclose()
-        return True
-    return False
-
-
-async def rpc_ping(
-    host: str, port: int, program: int = NFS_PROGRAM, version: int = 3, timeout: float = 2.0
-) -> bool:
-    """Whether an ONC RPC server on TCP ``host:port`` answers NULL for ``program``/``version``."""
-    xid = secrets.randbits(32)
-    # xid, CALL, RPC v2, program, version, procedure NULL, AUTH_NONE cred and verifier
-    call = struct.pack(">10I", xid, 0, 2, program, version, 0, 0, 0, 0, 0)
-    record = struct.pack(">I", 0x80000000 | len(call)) + call
-    with trio.move_on_after(timeout):
-        try:
-            stream = await trio.open_tcp_stream(host, port)
-        except OSError:
-            return False
-        try:
-            await stream.send_all(record)
-            reply = b""
-            while len(reply) < 28:
-                chunk = await stream.receive_some(4096)
-                if not chunk:
-                    return False
-                reply += chunk
-        except (trio.BrokenResourceError, OSError):
-            return False
-        finally:
-            await stream.aclose()
-        # record mark, xid, REPLY, MSG_ACCEPTED, verifier (flavor, length, body), SUCCESS
-        _, r_xid, msg_type, reply_stat, _, verf_len = struct.unpack(">6I", reply[:24])
-        if r_xid != xid or msg_type != 1 or reply_stat != 0:
-            return False
-        offset = 24 + (verf_len + 3) // 4 * 4
-        if len(reply) < offset + 4:
-            return False
-        (accept_stat,) = struct.unpack(">I", reply[offset : offset + 4])
-        return bool(accept_stat == 0)
-    return False
-
-
-def _port_in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # TIME_WAIT leftovers are no obstacle; a listener is
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
 
 
 @contextmanager
@@ -261,8 +133,8 @@ class GaneshaSupervisor:
 
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._ganesha: _Child | None = None
-        self._rpcbind: _Child | None = None
+        self._ganesha: Child | None = None
+        self._rpcbind: Child | None = None
         self._ready = False
         self._restarts = 0
         self._changed = trio.Event()
@@ -325,10 +197,10 @@ class GaneshaSupervisor:
                         await self._supervise(nursery, task_status)
                     finally:
                         with trio.CancelScope(shield=True):
-                            await self._stop(self._ganesha, self.stop_timeout)
+                            await stop_child(self._ganesha, self.stop_timeout)
                             self._ganesha = None
                             self._ready = False
-                            await self._stop(self._rpcbind, 10.0)
+                            await stop_child(self._rpcbind, 10.0)
                             if self._rpcbind is not None:
                                 self._rpcbind_pid_file.unlink(missing_ok=True)
                             self._rpcbind = None
@@ -362,7 +234,7 @@ class GaneshaSupervisor:
                 log.error(
                     "ganesha.nfsd (pid %d) exited with %s after %.1fs",
                     child.pid,
-                    _describe_exit(child.process.returncode),
+                    describe_exit(child.process.returncode),
                     uptime,
                 )
             delay = backoff.delay(uptime)
@@ -397,60 +269,25 @@ class GaneshaSupervisor:
         command line names our configuration file; an rpcbind if the pid file
         we wrote when starting it names a process that is rpcbind.
         """
-        await self._stop_recorded(self.pid_file, str(self.config_file).encode())
-        await self._stop_recorded(self._rpcbind_pid_file, self.rpcbind_bin.encode())
+        await stop_recorded(self.pid_file, str(self.config_file).encode(), self.stop_timeout)
+        await stop_recorded(self._rpcbind_pid_file, self.rpcbind_bin.encode(), self.stop_timeout)
         self._rpcbind_pid_file.unlink(missing_ok=True)
-
-    async def _stop_recorded(self, pid_file: Path, marker: bytes) -> None:
-        try:
-            pid = int(pid_file.read_text().split()[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            return
-        if not any(marker == arg or arg.endswith(b"/" + marker) for arg in cmdline):
-            return
-        log.warning("stopping %s (pid %d) left running by an earlier daemon", cmdline[0], pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        with trio.move_on_after(self.stop_timeout):
-            while _alive(pid):
-                await trio.sleep(0.1)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
-            await trio.sleep(0.1)
 
     def _check_ports_free(self) -> None:
         ports = [("NFS", self.core.nfs_port)]
         if self.core.mount_port is not None:
             ports.append(("mount", self.core.mount_port))
         for what, port in ports:
-            if _port_in_use(self.core.bind_addr, port):
+            if port_in_use(self.core.bind_addr, port):
                 raise Unavailable(
                     f"the {what} port {self.core.bind_addr}:{port} is already in use "
                     f"(another NFS server, or a ganesha left over from an earlier run; "
                     f"its pid file would be {self.pid_file})"
                 )
 
-    async def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
+    async def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         assert self._nursery is not None
-        try:
-            process = await trio.lowlevel.open_process(
-                argv,
-                env={**os.environ, **env} if env else None,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                # its own session: a Ctrl-C meant for the daemon must not reach it
-                start_new_session=True,
-            )
-        except OSError as e:
-            raise Unavailable(f"cannot run {argv[0]}: {e}") from e
-        child = _Child(name, process)
-        await self._nursery.start(self._drain, child)
-        log.info("started %s (pid %d): %s", name, child.pid, " ".join(argv))
-        return child
+        return await spawn_child(self._nursery, name, argv, env, self._notify)
 
     async def _start_ganesha(self) -> None:
         argv = [
@@ -471,14 +308,14 @@ class GaneshaSupervisor:
             await self._wait_ready(child)
         except BaseException:
             with trio.CancelScope(shield=True):
-                await self._stop(child, self.stop_timeout)
+                await stop_child(child, self.stop_timeout)
             self._ganesha = None
             raise
         self._ready = True
         self._handled = max(self._handled, covering)
         self._notify()
 
-    async def _wait_ready(self, child: _Child) -> None:
+    async def _wait_ready(self, child: Child) -> None:
         host, port = self.core.probe_host, self.core.nfs_port
         version = min(self.core.protocols)
         with trio.move_on_after(self.start_timeout):
@@ -487,7 +324,7 @@ class GaneshaSupervisor:
                     with trio.move_on_after(2):
                         await child.drained.wait()
                     raise Unavailable(
-                        f"ganesha.nfsd exited with {_describe_exit(child.process.returncode)} "
+                        f"ganesha.nfsd exited with {describe_exit(child.process.returncode)} "
                         f"before it answered on port {port}; its last lines:\n{child.tail_text()}"
                     )
                 if await rpc_ping(host, port, NFS_PROGRAM, version):
@@ -498,92 +335,6 @@ class GaneshaSupervisor:
             f"ganesha.nfsd did not answer on {host}:{port} within {self.start_timeout}s; "
             f"its last lines:\n{child.tail_text()}"
         )
-
-    async def _stop(self, child: _Child | None, timeout: float) -> None:
-        """SIGTERM, wait up to ``timeout``, then SIGKILL; call shielded."""
-        if child is None:
-            return
-        process = child.process
-        if process.returncode is None:
-            started = trio.current_time()
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(timeout):
-                await process.wait()
-            if process.returncode is None:
-                log.error(
-                    "%s (pid %d) still running %.0fs after SIGTERM; killing it",
-                    child.name,
-                    child.pid,
-                    timeout,
-                )
-                process.kill()
-                await process.wait()
-            log.info(
-                "%s (pid %d) stopped after %.1fs (%s)",
-                child.name,
-                child.pid,
-                trio.current_time() - started,
-                _describe_exit(process.returncode),
-            )
-        with trio.move_on_after(5):
-            await child.drained.wait()
-        child.drain_scope.cancel()
-
-    # -------------------------------------------------------------- output
-
-    async def _drain(
-        self, child: _Child, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Read the child's output into the log until EOF.
-
-        Shielded: cancellation of the supervisor must not stop the reading,
-        or a ganesha logging its shutdown could block on a full pipe.
-        """
-        stream = child.process.stdout
-        assert stream is not None
-        with child.drain_scope:
-            child.drain_scope.shield = True
-            task_status.started()
-            pending = b""
-            try:
-                while chunk := await stream.receive_some(65536):
-                    *lines, pending = (pending + chunk).split(b"\n")
-                    for line in lines:
-                        self._log_line(child, line.decode(errors="replace"))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
-                if pending:
-                    self._log_line(child, pending.decode(errors="replace"))
-                child.drained.set()
-                await stream.aclose()
-
-    def _log_line(self, child: _Child, line: str) -> None:
-        line = line.rstrip()
-        if not line:
-            return
-        child.tail.append(line)
-        match = _LINE.search(line)
-        if child.name != "ganesha.nfsd" or match is None:
-            log.warning("%s[%d]: %s", child.name, child.pid, line)
-            return
-        component = match["component"].strip()
-        message = match["message"]
-        level = _LEVELS.get(match["level"], logging.DEBUG)
-        if component in _EXPECTED_COMPONENTS or any(m in message for m in _EXPECTED_MESSAGES):
-            level = logging.DEBUG
-        log.log(
-            level,
-            "ganesha.nfsd[%d] %s %s: %s",
-            child.pid,
-            match["function"],
-            component,
-            message,
-        )
-        if _RELOAD_DONE in message or any(m in message for m in _RELOAD_FAILED):
-            child.reloads_logged += 1
-            child.last_reload_ok = _RELOAD_DONE in message
-            self._notify()
 
     # -------------------------------------------------------------- reload
 
@@ -677,7 +428,7 @@ class GaneshaSupervisor:
                     if await accepts_tcp("127.0.0.1", RPCBIND_PORT):
                         return False  # another one won the race to start; fine
                     raise Unavailable(
-                        f"rpcbind exited with {_describe_exit(child.process.returncode)}: "
+                        f"rpcbind exited with {describe_exit(child.process.returncode)}: "
                         f"{child.tail_text()}"
                     )
                 if await accepts_tcp("127.0.0.1", RPCBIND_PORT):
@@ -687,5 +438,5 @@ class GaneshaSupervisor:
                     return True
                 await trio.sleep(0.05)
         with trio.CancelScope(shield=True):
-            await self._stop(child, 5.0)
+            await stop_child(child, 5.0)
         raise Unavailable("rpcbind did not listen on port 111 within 10s")

@@ -30,7 +30,8 @@ import trio
 from backend.errors import Unavailable
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
-from backend.ganesha.supervisor import RPCBIND_PORT, GaneshaSupervisor, accepts_tcp
+from backend.ganesha.probes import RPCBIND_PORT, accepts_tcp
+from backend.ganesha.supervisor import GaneshaSupervisor
 from tests.ganesha_env import ganesha_pids, ganesha_workspace
 
 TIMEOUT = 60
