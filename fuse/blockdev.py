@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from fuse import cgroup
-from fuse.blockfile import DEFAULT_CONNECTIONS, DISK, FSTYPE, REFRESH
+from fuse.blockfile import DISK, FSTYPE, REFRESH
 from fuse.loop import (
     LoopError,
     attach_loop,
@@ -51,6 +51,7 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
+from fuse.nbdconnections import DEFAULT_CONNECTIONS
 from fuse.process import await_ready
 
 log = logging.getLogger("moorage.fuse.blockdev")

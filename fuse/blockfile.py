@@ -8,28 +8,11 @@ in a process of its own (``python -m fuse.blockfile NBD_URI MOUNTPOINT``)
 that lives as long as the mount; :mod:`fuse.blockdev` puts a loop device on
 ``disk``.
 
+Requests reach the server through :class:`fuse.nbdconnections.ExportConnections`
+(multi-conn, many requests in flight, a hard mount over reconnects).
+
 Choices, and why:
 
-- **Multi-conn.** A libnbd handle serialises its users, so parallel I/O
-  needs several connections.  Those are opened only when the server
-  advertises ``CAN_MULTI_CONN``: then a FLUSH on any one connection makes
-  every write *completed* on any connection durable, and the kernel only
-  asks for a flush (fsync, a loop device's ``REQ_PREFLUSH``) after the
-  writes it covers have completed, so one FLUSH suffices.  Without
-  multi-conn a flush goes to every connection (normally there is one).
-- **No threads per request.** Requests go out through libnbd's
-  asynchronous API, driven by the FUSE process's trio loop
-  (:mod:`nbd.aio`): many requests are in flight on each connection and
-  each goes to the least busy one.  A worker thread was a hand-off each
-  way per request, which cost more CPU than the request itself; only
-  connecting (rare) still runs in a thread.
-- **Hard mount.** A connection error (the server died, restarted, or shut
-  down) drops that connection; the request waits with exponential backoff
-  and is sent again on a new connection, so a server restart reaches the
-  filesystem on the loop device as a pause, never as an error.  Reads and
-  writes are idempotent, and a FLUSH re-sent to a new connection covers
-  every completed write (kill -9 of a server loses nothing it
-  acknowledged).  ``timeout`` bounds the wait (then EIO), like ``soft``.
 - **direct_io.** ``disk`` is opened with FUSE ``direct_io`` and the loop
   device is attached with ``LO_FLAGS_DIRECT_IO``.  The filesystem on the
   loop device caches already; with neither flag the FUSE file's page cache
@@ -67,12 +50,12 @@ import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Final, TypeVar, cast
 
 import pyfuse3
 import trio
 
+from fuse.nbdconnections import DEFAULT_CONNECTIONS, ExportConnections, ExportUnavailable
 from fuse.process import (
     EarlyStop,
     ReadySignal,
@@ -80,8 +63,7 @@ from fuse.process import (
     raise_background_limit,
     run_fuse_loop,
 )
-from nbd.aio import AioConnection
-from nbd.libnbd import CmdFlag, NBDClient, NBDError
+from nbd.libnbd import CmdFlag, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
 
@@ -90,234 +72,19 @@ DISK: Final = "disk"
 REFRESH: Final = "refresh"
 DISK_INODE: Final = 2
 REFRESH_INODE: Final = 3
-DEFAULT_CONNECTIONS: Final = 4
 # Asynchronous FUSE requests the kernel keeps in flight (its default: 12).  A
 # loop device with direct I/O queues many; each waits for a round trip.
 BACKGROUND_LIMIT: Final = 32
 ATTR_TIMEOUT: Final = 1.0
-RETRY_FIRST: Final = 0.05  # seconds before the first reconnect
-RETRY_MAX: Final = 2.0
 FINAL_FLUSH_TIMEOUT: Final = 30.0
 ZERO_CHUNK: Final = 1 << 30  # NBD lengths are 32 bits
 PR_SET_IO_FLUSHER: Final = 57
 FALLOC_FL_KEEP_SIZE: Final = 0x01
 FALLOC_FL_PUNCH_HOLE: Final = 0x02
 FALLOC_FL_ZERO_RANGE: Final = 0x10
-# errors a connected handle reports when the server is going away
-_GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 _ENTRIES: Final = {DISK.encode(): DISK_INODE, REFRESH.encode(): REFRESH_INODE}
 
 T = TypeVar("T")
-
-
-class ExportUnavailable(OSError):
-    """The server stayed unreachable for longer than the timeout."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(errno.EIO, message)
-
-
-class _Disconnected(Exception):
-    """The connection is gone (or could not be made): retry on a new one."""
-
-
-# ------------------------------------------------------------------ connections
-
-
-@dataclass
-class _Slot:
-    conn: AioConnection | None
-    size: int | None = None  # the export size this connection was told
-    multi_conn: bool = True
-    connecting: trio.Lock = field(default_factory=trio.Lock)
-
-
-def connect(uri: str) -> NBDClient:
-    """A libnbd connection to ``uri`` (no meta contexts: only plain I/O here)."""
-    return NBDClient.open(uri, meta_contexts=())
-
-
-class ExportConnections:
-    """Connections to one export, many requests in flight on each, that come back
-    when the server does.  Used from the trio thread of one run (``close`` may also
-    be called after the run)."""
-
-    def __init__(
-        self,
-        uri: str,
-        clients: Sequence[NBDClient],
-        *,
-        timeout: float | None = None,
-        connect: Callable[[str], NBDClient] = connect,
-    ) -> None:
-        if not clients:
-            raise ValueError("at least one connection is needed")
-        first = clients[0]
-        self.uri = uri
-        self.timeout = timeout
-        self.size = first.get_size()
-        self.read_only = first.is_read_only()
-        self.multi_conn = first.can_multi_conn()
-        self.can_flush = first.can_flush()
-        self.can_zero = first.can_zero()
-        self._connect = connect
-        self._slots = [_Slot(AioConnection(c), c.get_size(), c.can_multi_conn()) for c in clients]
-        self._away = False
-
-    @classmethod
-    def open(
-        cls,
-        uri: str,
-        connections: int = DEFAULT_CONNECTIONS,
-        *,
-        timeout: float | None = None,
-        connect: Callable[[str], NBDClient] = connect,
-    ) -> ExportConnections:
-        """Connect (blocking; before the trio loop).  An unreachable server raises."""
-        if connections < 1:
-            raise ValueError(f"connections must be at least 1, not {connections}")
-        clients = [connect(uri)]
-        try:
-            if connections > 1 and clients[0].can_multi_conn():
-                clients += [connect(uri) for _ in range(connections - 1)]
-            elif connections > 1:
-                log.info("%s does not advertise multi-conn: one connection", uri)
-        except BaseException:
-            for client in clients:
-                client.close()
-            raise
-        return cls(uri, clients, timeout=timeout, connect=connect)
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    # -------------------------------------------------------------- connections
-
-    async def _connected(self, slot: _Slot) -> AioConnection:
-        """The slot's connection, made again first if it was lost."""
-        conn = slot.conn
-        if conn is not None and conn.alive:
-            return conn
-        async with slot.connecting:
-            conn = slot.conn
-            if conn is not None and conn.alive:
-                return conn
-            if conn is not None:
-                conn.close()
-                slot.conn = None
-            try:
-                client = await trio.to_thread.run_sync(self._connect, self.uri)
-            except NBDError as e:
-                raise _Disconnected(str(e)) from e
-            slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-            slot.conn = AioConnection(client)
-            self._note(slot)
-            return slot.conn
-
-    def _least_busy(self) -> _Slot:
-        def load(slot: _Slot) -> int:
-            conn = slot.conn
-            return conn.in_flight if conn is not None and conn.alive else 1 << 30
-
-        return min(self._slots, key=load)
-
-    async def _run_on(self, slot: _Slot | None, fn: Callable[[AioConnection], Awaitable[T]]) -> T:
-        """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
-        is answered."""
-        first_failure: float | None = None
-        delay = RETRY_FIRST
-        while True:
-            target = slot if slot is not None else self._least_busy()
-            try:
-                conn = await self._connected(target)
-                try:
-                    result = await fn(conn)
-                except NBDError as e:
-                    if conn.alive and e.errno not in _GONE:
-                        raise  # the server's answer to this request
-                    conn.close()
-                    raise _Disconnected(str(e)) from e
-            except _Disconnected as e:
-                now = trio.current_time()
-                if first_failure is None:
-                    first_failure = now
-                if not self._away:
-                    self._away = True
-                    log.warning("%s: connection lost (%s); requests wait for it", self.uri, e)
-                waited = now - first_failure
-                if self.timeout is not None and waited >= self.timeout:
-                    raise ExportUnavailable(
-                        f"{self.uri}: no connection for {waited:.1f}s: {e}"
-                    ) from None
-                pause = delay if self.timeout is None else min(delay, self.timeout - waited)
-                await trio.sleep(pause)
-                delay = min(delay * 2, RETRY_MAX)
-                continue
-            if self._away:
-                self._away = False
-                log.warning("%s: connected again", self.uri)
-            return result
-
-    def _note(self, slot: _Slot) -> None:
-        """What a new connection was told: a new size, multi-conn withdrawn."""
-        if slot.size is not None and slot.size != self.size:
-            log.info("%s: export size %d -> %d", self.uri, self.size, slot.size)
-            self.size = slot.size
-        if self.multi_conn and not slot.multi_conn:
-            log.warning("%s: multi-conn withdrawn: flushes go to every connection", self.uri)
-            self.multi_conn = False
-
-    # -------------------------------------------------------------- requests
-
-    async def pread_into(self, buffer: bytearray, offset: int) -> None:
-        await self._run_on(None, lambda c: c.pread_into(buffer, offset))
-
-    async def pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        await self._run_on(None, lambda c: c.pwrite(data, offset))
-
-    async def zero(self, count: int, offset: int, flags: CmdFlag | int) -> None:
-        await self._run_on(None, lambda c: c.zero(count, offset, flags))
-
-    async def flush(self) -> None:
-        """NBD FLUSH: every write completed so far is on stable storage when this returns."""
-        if not self.can_flush:
-            return  # the server has no write cache to flush
-        if self.multi_conn:
-            await self._run_on(None, lambda c: c.flush())
-            return
-        for slot in self._slots:
-            await self._run_on(slot, lambda c: c.flush())
-
-    async def refresh(self) -> int:
-        """Reconnect every connection (servers read the size at connect); the new size.
-
-        Requests go on meanwhile: each connection is replaced by a new one,
-        and the old one closed once its requests are answered.
-        """
-        for slot in self._slots:
-            async with slot.connecting:
-                old = slot.conn
-                try:
-                    client = await trio.to_thread.run_sync(self._connect, self.uri)
-                except NBDError as e:
-                    log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
-                    continue
-                slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-                slot.conn = AioConnection(client)
-                self._note(slot)
-            if old is not None:
-                await old.drain()
-                old.close()
-        if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
-            await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
-        return self.size
-
-    def close(self) -> None:
-        """Disconnect every connection (requests still in flight fail)."""
-        for slot in self._slots:
-            conn, slot.conn = slot.conn, None
-            if conn is not None:
-                conn.close()
 
 
 # ------------------------------------------------------------------ the filesystem

@@ -46,9 +46,9 @@ from fuse.blockfile import (
     FALLOC_FL_PUNCH_HOLE,
     FALLOC_FL_ZERO_RANGE,
     BlockFile,
-    ExportConnections,
 )
 from fuse.loop import LoopBusy, loop_status
+from fuse.nbdconnections import ExportConnections
 from fuse.process import fusectl
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, free_port, run, sparse_image, wait_for_port
