@@ -19,6 +19,11 @@ A context is **not** thread-safe: one thread at a time may use it.  An
 :class:`NFSFile` is an NFSv3 file handle, which the server honours on any
 connection, so a file opened on one context may be read, written, synced
 and closed on another context mounted on the same export.
+
+Why this file is long: it holds the binding and nothing else (C layouts,
+signatures, one Python method per libnfs call), and each method is a few
+lines over a layout or signature above it that was checked against the
+same header; in pieces, a call would sit away from the layout it fills.
 """
 
 from __future__ import annotations
