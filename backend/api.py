@@ -14,14 +14,8 @@ from backend import errors
 from backend.metrics import OPERATION_SECONDS
 from backend.proto import backend_pb2 as pb
 from backend.proto import backend_pb2_grpc as pb_grpc
-from backend.service import (
-    CapacityInfo,
-    NbdTargetInfo,
-    NfsTargetInfo,
-    SnapshotInfo,
-    StorageService,
-    VolumeInfo,
-)
+from backend.service import StorageService
+from backend.views import CapacityInfo, NbdTargetInfo, NfsTargetInfo, SnapshotInfo, VolumeInfo
 
 log = logging.getLogger("moorage.backend.api")
 

@@ -21,15 +21,17 @@ from backend.api import BackendServicer
 from backend.auth import BearerTokenInterceptor, read_token
 from backend.catalog.db import Catalog
 from backend.errors import InvalidArgument, Unavailable
+from backend.exporting import ExporterStatus
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import GaneshaSupervisor
 from backend.metrics import StorageNodeCollector, serve_metrics
+from backend.operation import ServiceConfig
 from backend.pool import Pool
 from backend.poolinit import ensure_pool_mounted
 from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.reconcile import reconcile
-from backend.service import ExporterStatus, ServiceConfig, StorageService
+from backend.service import StorageService
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer, ServerConfig
 from nbd.tls import server_context

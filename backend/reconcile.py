@@ -140,9 +140,9 @@ def _reconcile_exports(service: StorageService, files: GaneshaFiles) -> list[str
             if not pubs:
                 continue
             if v.type == VolumeType.NFS:
-                wanted.append(service.nfs_export_config(v, pubs))
+                wanted.append(service.exports.nfs_config(v, pubs))
             else:
-                for export in service.nbd_exports_of(v, pubs):
+                for export in service.exports.nbd_exports(v, pubs):
                     service.exporter.add_nbd_export(export)
                     nbd_count += 1
     repairs = files.sync(wanted)

@@ -1,0 +1,146 @@
+"""The storage node's publications: make a volume reachable by one node, and undo it.
+
+A publication is a catalog row per (volume, node); the exports that follow
+from it (an NBD export per node, the NFS export's client list) are rendered by
+``backend/exporting.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.orm import Session
+
+from backend import validation
+from backend.catalog.db import get_publication, publications_of, record_operation
+from backend.catalog.models import (
+    OperationKind,
+    Publication,
+    PublicationState,
+    Volume,
+    VolumeState,
+    VolumeType,
+)
+from backend.errors import AlreadyExists, FailedPrecondition, NotFound
+from backend.exporting import nbd_export_name, nfs_pseudo_path
+from backend.failpoints import failpoint
+from backend.operation import Intent, Operations
+from backend.views import NbdTargetInfo, NfsTargetInfo
+
+log = logging.getLogger("moorage.backend")
+
+
+class PublicationOperations(Operations):
+    def publish_volume(
+        self,
+        volume_id: str,
+        node_id: str,
+        node_address: str,
+        read_only: bool,
+        multi_writer: bool = False,
+        single_node: bool = False,
+    ) -> NfsTargetInfo | NbdTargetInfo:
+        """Make the volume reachable by one node.  ``single_node``: refuse when
+        another node holds a publication (decided under the catalog lock, so two
+        callers racing for two nodes cannot both win)."""
+        vol_id = validation.object_id(volume_id, "volume id")
+        node = validation.node_id(node_id)
+        address = validation.node_address(node_address)
+
+        def decide(s: Session) -> Intent[NfsTargetInfo | NbdTargetInfo]:
+            v = s.get(Volume, vol_id)
+            if v is None:
+                raise NotFound(f"volume {vol_id} not found")
+            if v.state not in (VolumeState.READY, VolumeState.EXPANDING):
+                raise FailedPrecondition(f"volume {vol_id} is {v.state.value}")
+            pub = get_publication(s, vol_id, node)
+            if pub is not None:
+                if (
+                    pub.read_only != read_only
+                    or pub.node_address != address
+                    or pub.multi_writer != multi_writer
+                ):
+                    raise AlreadyExists(
+                        f"volume {vol_id} is published to {node} with other parameters"
+                    )
+                if pub.state == PublicationState.UNPUBLISHING:
+                    raise FailedPrecondition(f"volume {vol_id} is being unpublished from {node}")
+            else:
+                others = [p.node_id for p in publications_of(s, vol_id) if p.node_id != node]
+                if single_node and others:
+                    raise FailedPrecondition(
+                        f"volume {vol_id} is single-node and already published to {others[0]}"
+                    )
+                if v.type == VolumeType.NBD and not read_only:
+                    writers = [
+                        p.node_id
+                        for p in publications_of(s, vol_id)
+                        if not p.read_only and not (multi_writer and p.multi_writer)
+                    ]
+                    if writers:
+                        raise FailedPrecondition(
+                            f"block volume {vol_id} is already published read-write to {writers[0]}"
+                        )
+                s.add(
+                    Publication(
+                        volume_id=vol_id,
+                        node_id=node,
+                        node_address=address,
+                        read_only=read_only,
+                        multi_writer=multi_writer,
+                        state=PublicationState.PUBLISHING,
+                    )
+                )
+                record_operation(s, OperationKind.PUBLISH, vol_id, {"node": node})
+            return Intent(self._target(v, node), lambda: self.finish_publish(vol_id, node))
+
+        return self._operation([vol_id], decide, failpoint_at="publish.intent")
+
+    def finish_publish(self, vol_id: str, node: str) -> None:
+        self.apply_exports(vol_id)
+        failpoint("publish.exported")
+        with self.catalog.session() as s:
+            pub = get_publication(s, vol_id, node)
+            assert pub is not None
+            pub.state = PublicationState.PUBLISHED
+            self._close_journal(s, vol_id, OperationKind.PUBLISH)
+
+    def _target(self, v: Volume, node: str) -> NfsTargetInfo | NbdTargetInfo:
+        if v.type == VolumeType.NFS:
+            return NfsTargetInfo(
+                self.config.nfs_server,
+                self.config.nfs_port,
+                nfs_pseudo_path(v),
+                self.config.mount_port,
+            )
+        return NbdTargetInfo(
+            self.config.nbd_host,
+            self.config.nbd_port,
+            nbd_export_name(v.id, node),
+            self.config.nbd_tls,
+        )
+
+    def unpublish_volume(self, volume_id: str, node_id: str) -> None:
+        vol_id = validation.object_id(volume_id, "volume id")
+        node = validation.node_id(node_id)
+
+        def decide(s: Session) -> Intent[None]:
+            pub = get_publication(s, vol_id, node)
+            if pub is None:
+                return Intent(None)  # not published there: nothing to undo
+            if pub.state != PublicationState.UNPUBLISHING:
+                pub.state = PublicationState.UNPUBLISHING
+                record_operation(s, OperationKind.UNPUBLISH, vol_id, {"node": node})
+            return Intent(None, lambda: self.finish_unpublish(vol_id, node))
+
+        self._operation([vol_id], decide, failpoint_at="unpublish.intent")
+
+    def finish_unpublish(self, vol_id: str, node: str) -> None:
+        self.apply_exports(vol_id)
+        failpoint("unpublish.exported")
+        with self.catalog.session() as s:
+            pub = get_publication(s, vol_id, node)
+            if pub is not None:
+                s.delete(pub)
+            self._close_journal(s, vol_id, OperationKind.UNPUBLISH)
+        log.info("volume %s unpublished from %s", vol_id, node)

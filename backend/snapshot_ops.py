@@ -1,0 +1,111 @@
+"""The storage node's snapshot operations: take one of a volume, delete one."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.orm import Session
+
+from backend import validation
+from backend.catalog.db import get_snapshot_by_name, record_operation
+from backend.catalog.models import OperationKind, Snapshot, SnapshotState, Volume, VolumeState
+from backend.errors import AlreadyExists, FailedPrecondition, NotFound
+from backend.failpoints import failpoint
+from backend.operation import Intent, Operations, new_id
+from backend.views import SnapshotInfo, snapshot_info
+
+log = logging.getLogger("moorage.backend")
+
+
+class SnapshotOperations(Operations):
+    def create_snapshot(self, name: str, source_volume_id: str) -> SnapshotInfo:
+        name = validation.volume_name(name, "snapshot name")
+        src = validation.object_id(source_volume_id, "source volume id")
+
+        def decide(s: Session) -> Intent[str]:
+            existing = get_snapshot_by_name(s, name)
+            if existing is not None:
+                if existing.source_volume_id != src:
+                    raise AlreadyExists(f"snapshot {name!r} exists for another volume")
+                existing_id = existing.id
+                if existing.state == SnapshotState.READY:
+                    return Intent(existing_id)
+                if existing.state == SnapshotState.DELETING:
+                    raise FailedPrecondition(f"snapshot {name!r} is being deleted")
+                return Intent(existing_id, lambda: self.finish_snapshot(existing_id))
+            v = s.get(Volume, src)
+            if v is None:
+                raise NotFound(f"volume {src} not found")
+            if v.state != VolumeState.READY:
+                raise FailedPrecondition(f"volume {src} is {v.state.value}")
+            snap_id = new_id()
+            s.add(
+                Snapshot(
+                    id=snap_id,
+                    name=name,
+                    source_volume_id=src,
+                    volume_type=v.type,
+                    fs_type=v.fs_type,
+                    size_bytes=v.size_bytes,
+                    state=SnapshotState.CREATING,
+                )
+            )
+            record_operation(s, OperationKind.CREATE_SNAPSHOT, snap_id, {"source": src})
+            return Intent(snap_id, lambda: self.finish_snapshot(snap_id))
+
+        snap_id = self._operation([f"snap:{name}", src], decide, failpoint_at="snapshot.intent")
+        with self.catalog.session() as s:
+            snap = s.get(Snapshot, snap_id)
+            assert snap is not None
+            return snapshot_info(snap)
+
+    def finish_snapshot(self, snap_id: str) -> None:
+        with self.catalog.session() as s:
+            snap = s.get(Snapshot, snap_id)
+            if snap is None:
+                return
+            src = snap.source_volume_id
+            fs = snap.fs_type.value if snap.fs_type else None
+            source_exists = s.get(Volume, src) is not None
+        try:
+            if not source_exists:
+                raise NotFound(f"source volume {src} of snapshot {snap_id} is gone")
+            self.pool.snapshot(src, snap_id, fs)
+        except BaseException as e:
+            self.pool.delete_snapshot(snap_id)
+            with self.catalog.session() as s:
+                snap = s.get(Snapshot, snap_id)
+                if snap is not None:
+                    s.delete(snap)
+                self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT, error=str(e))
+            raise
+        failpoint("snapshot.files")
+        with self.catalog.session() as s:
+            snap = s.get(Snapshot, snap_id)
+            if snap is not None:
+                snap.state = SnapshotState.READY
+            self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT)
+        log.info("snapshot %s of volume %s ready", snap_id, src)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        snap_id = validation.object_id(snapshot_id, "snapshot id")
+
+        def decide(s: Session) -> Intent[None]:
+            snap = s.get(Snapshot, snap_id)
+            if snap is None:
+                return Intent(None)
+            if snap.state != SnapshotState.DELETING:
+                snap.state = SnapshotState.DELETING
+                record_operation(s, OperationKind.DELETE_SNAPSHOT, snap_id)
+            return Intent(None, lambda: self.finish_delete_snapshot(snap_id))
+
+        self._operation([snap_id], decide, failpoint_at="delete_snapshot.intent")
+
+    def finish_delete_snapshot(self, snap_id: str) -> None:
+        self.pool.delete_snapshot(snap_id)
+        failpoint("delete_snapshot.files")
+        with self.catalog.session() as s:
+            snap = s.get(Snapshot, snap_id)
+            if snap is not None:
+                s.delete(snap)
+            self._close_journal(s, snap_id, OperationKind.DELETE_SNAPSHOT)

@@ -1,0 +1,151 @@
+"""What callers of the storage service see: frozen records made from catalog rows.
+
+The gRPC API (``backend/api.py``) turns these into protobuf messages; nothing
+here changes the catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from backend.catalog.db import publications_of
+from backend.catalog.models import Snapshot, SnapshotState, Volume, VolumeState, VolumeType
+from backend.errors import BackendError
+from backend.pool import Pool
+
+log = logging.getLogger("moorage.backend")
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    id: str
+    name: str
+    type: str
+    size_bytes: int
+    used_bytes: int
+    fs_type: str | None
+    squash: str | None
+    source_snapshot_id: str | None
+    source_volume_id: str | None
+    state: str
+    published_nodes: tuple[str, ...]
+    parameters: dict[str, str]
+    created_unix: int
+    labels: dict[str, str] = field(default_factory=dict)
+    publications: tuple[PublicationInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class PublicationInfo:
+    node_id: str
+    node_address: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    id: str
+    name: str
+    source_volume_id: str
+    type: str
+    size_bytes: int
+    fs_type: str | None
+    state: str
+    ready_to_use: bool
+    created_unix: int
+
+
+@dataclass(frozen=True)
+class CapacityInfo:
+    total_bytes: int
+    free_bytes: int
+    provisioned_bytes: int
+    overcommit_ratio: float
+    available_bytes: int
+
+
+@dataclass(frozen=True)
+class NfsTargetInfo:
+    server: str
+    port: int
+    path: str
+    mount_port: int
+
+
+@dataclass(frozen=True)
+class NbdTargetInfo:
+    host: str
+    port: int
+    export_name: str
+    tls: bool
+
+
+@dataclass(frozen=True)
+class HealthInfo:
+    ok: bool
+    version: str
+    ganesha_running: bool
+    nbd_exports: int
+    nbd_connections: int
+    message: str
+
+
+def _unix(row: Volume | Snapshot) -> int:
+    return int(row.created_at.timestamp())
+
+
+def volume_info(s: Session, v: Volume, pool: Pool, used: bool = True) -> VolumeInfo:
+    """``v`` as callers see it; ``used``: ask the pool how much of it is written."""
+    pubs = publications_of(s, v.id)
+    used_bytes = 0
+    if used and v.state == VolumeState.READY:
+        try:
+            used_bytes = pool.used_bytes(v.id, v.type.value)
+        except (OSError, BackendError) as e:
+            log.warning("used bytes of volume %s: %s", v.id, e)
+    return VolumeInfo(
+        id=v.id,
+        name=v.name,
+        type=v.type.value,
+        size_bytes=v.size_bytes,
+        used_bytes=used_bytes,
+        fs_type=v.fs_type.value if v.fs_type else None,
+        squash=v.squash if v.type == VolumeType.NFS else None,
+        source_snapshot_id=v.source_snapshot_id,
+        source_volume_id=v.source_volume_id,
+        state=v.state.value,
+        published_nodes=tuple(sorted(p.node_id for p in pubs)),
+        parameters=dict(v.parameters or {}),
+        created_unix=_unix(v),
+        labels=dict(v.labels or {}),
+        publications=tuple(
+            PublicationInfo(p.node_id, p.node_address, p.read_only)
+            for p in sorted(pubs, key=lambda p: p.node_id)
+        ),
+    )
+
+
+def snapshot_info(snap: Snapshot) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=snap.id,
+        name=snap.name,
+        source_volume_id=snap.source_volume_id,
+        type=snap.volume_type.value,
+        size_bytes=snap.size_bytes,
+        fs_type=snap.fs_type.value if snap.fs_type else None,
+        state=snap.state.value,
+        ready_to_use=snap.state == SnapshotState.READY,
+        created_unix=_unix(snap),
+    )
+
+
+def capacity_info(s: Session, pool: Pool, overcommit_ratio: float) -> CapacityInfo:
+    """The pool's size and what the catalog has promised of it."""
+    total, free = pool.capacity()
+    provisioned = int(s.scalar(select(func.coalesce(func.sum(Volume.size_bytes), 0))) or 0)
+    available = max(0, int(total * overcommit_ratio) - provisioned)
+    return CapacityInfo(total, free, provisioned, overcommit_ratio, available)
