@@ -36,6 +36,7 @@ import pytest
 from typer.testing import CliRunner
 
 from csi import attach, mounts
+from csi.mounts import tools
 from moorage.cli import full_app
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
@@ -274,7 +275,7 @@ def kernel_nfs_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[lis
     def fake_run(argv: Sequence[str], timeout: float, ok: Sequence[int] = (0,)) -> None:
         calls.append(list(argv))
 
-    monkeypatch.setattr(mounts, "_run", fake_run)
+    monkeypatch.setattr(tools, "run", fake_run)
     return calls
 
 

@@ -1,0 +1,141 @@
+"""What is mounted where on this node, from ``/proc/self/mountinfo``.
+
+Octal escapes such as ``\\040`` are decoded, so bind mounts of single
+files are seen too, and a FUSE mount whose daemon died is still found.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from csi.mounts.errors import FilesystemError
+
+MOUNTINFO = Path("/proc/self/mountinfo")  # module level so tests can point elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo, unescaped."""
+
+    mount_id: int
+    parent_id: int
+    major: int
+    minor: int
+    root: str
+    mount_point: str
+    mount_options: tuple[str, ...]
+    fstype: str
+    source: str
+    super_options: tuple[str, ...]
+
+    @property
+    def read_only(self) -> bool:
+        return "ro" in self.mount_options or "ro" in self.super_options
+
+
+class MountInfo(NamedTuple):
+    """What is mounted on a path: source, filesystem type, effective options."""
+
+    source: str
+    fstype: str
+    options: tuple[str, ...]
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
+def _unescape(field: bytes) -> str:
+    """The kernel escapes space, tab, newline and backslash as ``\\ooo``."""
+    return os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), field))
+
+
+def parse_mountinfo(data: bytes) -> list[MountEntry]:
+    """Parse mountinfo(5); malformed lines are skipped."""
+    entries: list[MountEntry] = []
+    for line in data.splitlines():
+        fields = line.split(b" ")
+        try:
+            sep = fields.index(b"-", 6)
+            major, minor = fields[2].split(b":")
+            entries.append(
+                MountEntry(
+                    mount_id=int(fields[0]),
+                    parent_id=int(fields[1]),
+                    major=int(major),
+                    minor=int(minor),
+                    root=_unescape(fields[3]),
+                    mount_point=_unescape(fields[4]),
+                    mount_options=tuple(_unescape(fields[5]).split(",")),
+                    fstype=_unescape(fields[sep + 1]),
+                    source=_unescape(fields[sep + 2]),
+                    super_options=tuple(_unescape(fields[sep + 3]).split(","))
+                    if len(fields) > sep + 3
+                    else (),
+                )
+            )
+        except (ValueError, IndexError):
+            continue
+    return entries
+
+
+def mount_entries() -> list[MountEntry]:
+    """Every mount this process sees, in mount order."""
+    return parse_mountinfo(MOUNTINFO.read_bytes())
+
+
+def mount_entry(path: str | os.PathLike[str]) -> MountEntry | None:
+    """The topmost mount on ``path`` exactly (not on a parent of it), or None."""
+    # realpath does not fail on a dead FUSE mount (ENOTCONN): it stops resolving there
+    target = os.path.realpath(os.fspath(path))
+    found = None
+    for entry in mount_entries():
+        if entry.mount_point == target:
+            found = entry  # later lines are mounted on top of earlier ones
+    return found
+
+
+def is_mount_point(path: str | os.PathLike[str]) -> bool:
+    """Whether something (a filesystem, a bind mount of a directory or file) is mounted on path."""
+    return mount_entry(path) is not None
+
+
+def mount_info(path: str | os.PathLike[str]) -> MountInfo | None:
+    """(source, fstype, options) of the mount on ``path``; None if nothing is mounted there.
+
+    Options are the mount's own followed by the superblock's; "ro" if either is read-only.
+    """
+    entry = mount_entry(path)
+    if entry is None:
+        return None
+    options = list(entry.mount_options)
+    for option in entry.super_options:
+        if option in ("ro", "rw"):
+            continue
+        if option not in options:
+            options.append(option)
+    if entry.read_only:
+        options = ["ro" if o == "rw" else o for o in options]
+        if "ro" not in options:
+            options.insert(0, "ro")
+    return MountInfo(entry.source, entry.fstype, tuple(options))
+
+
+def _device_number(device: str) -> int:
+    try:
+        st = os.stat(device)
+    except OSError as e:
+        raise FilesystemError(f"{device}: {e.strerror}") from e
+    if not stat.S_ISBLK(st.st_mode):
+        raise FilesystemError(f"{device} is not a block device")
+    return st.st_rdev
+
+
+def mounts_of_device(device: str | os.PathLike[str]) -> list[MountEntry]:
+    """Every mount of the filesystem on block device ``device``."""
+    rdev = _device_number(os.fspath(device))
+    return [e for e in mount_entries() if (e.major, e.minor) == (os.major(rdev), os.minor(rdev))]
