@@ -36,6 +36,7 @@ import pytest
 from typer.testing import CliRunner
 
 from csi import attach, mounts
+from csi.attach import block, paths
 from csi.mounts import tools
 from moorage.cli import full_app
 from nbd import client as nbd_client
@@ -240,9 +241,9 @@ def test_a_kernel_record_whose_device_is_gone_is_replaced(
 ) -> None:
     state = tmp_path / "state"
     uri = "nbd://10.0.0.5/vol-2"
-    (state / attach.KERNEL_STATE).mkdir(parents=True)
+    (state / block.KERNEL_STATE).mkdir(parents=True)
     stale = {"device": "/dev/nbd7", "uri": uri}
-    (state / attach.KERNEL_STATE / "nbd7.json").write_text(json.dumps(stale))
+    (state / block.KERNEL_STATE / "nbd7.json").write_text(json.dumps(stale))
     assert [a.device for a in attach.list_block_attachments(state)] == ["/dev/nbd7"]
     # /dev/nbd7 is not connected (no sysfs pid): attach again, and forget the old record
     assert attach.attach_block(uri, state, attach.probe({})) == "/dev/nbd3"
@@ -268,8 +269,8 @@ def kernel_nfs_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[lis
     helper.write_text("#!/bin/sh\nexit 0\n")
     helper.chmod(0o755)
     monkeypatch.delenv(attach.NFS_PATH_ENV, raising=False)
-    monkeypatch.setattr(attach, "PROC_FILESYSTEMS", filesystems)
-    monkeypatch.setattr(attach, "MOUNT_NFS4", (helper,))
+    monkeypatch.setattr(paths, "PROC_FILESYSTEMS", filesystems)
+    monkeypatch.setattr(paths, "MOUNT_NFS4", (helper,))
     calls: list[list[str]] = []
 
     def fake_run(argv: Sequence[str], timeout: float, ok: Sequence[int] = (0,)) -> None:
@@ -337,7 +338,7 @@ def test_a_host_with_no_path_at_all_says_so(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(attach.BLOCK_PATH_ENV, raising=False)
-    monkeypatch.setattr(attach, "DEV_FUSE", tmp_path / "no-fuse")
+    monkeypatch.setattr(paths, "DEV_FUSE", tmp_path / "no-fuse")
     monkeypatch.setattr(
         nbd_kernel, "kernel_nbd_available", lambda **_: (False, "kernel nbd unavailable: test")
     )

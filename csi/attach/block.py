@@ -1,0 +1,243 @@
+"""NBD exports attached as block devices: kernel nbd, or a FUSE block file behind a loop device.
+
+Block attachments are remembered under a state directory: ``fuse.blockdev``
+keeps its own records there; a kernel attachment is one JSON file under
+``STATE_DIR/kernel-nbd/``.  Attaching a URI that is already attached returns
+its device, and detaching what is not attached does nothing, so both may be
+repeated.  pyfuse3 is an optional dependency: the FUSE modules are imported
+only when a FUSE path is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from csi.attach.errors import AttachError, PathUnavailable
+from csi.attach.paths import BlockPath, Plan, pyfuse3_installed
+from nbd import client as nbd_client
+from nbd import kernel as nbd_kernel
+
+KERNEL_STATE: Final = "kernel-nbd"  # subdirectory of the state dir for kernel attachments
+_NBD_DEVICE = re.compile(r"/dev/nbd(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockAttachment:
+    """An attached export: its device, URI, path, and (fuse-loop) its FUSE file's mount."""
+
+    device: str
+    uri: str
+    path: BlockPath
+    mountpoint: str | None = None
+    pid: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _kernel_dir(state_dir: str | os.PathLike[str]) -> Path:
+    return Path(state_dir) / KERNEL_STATE
+
+
+def _kernel_records(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
+    found: list[BlockAttachment] = []
+    for record in sorted(_kernel_dir(state_dir).glob("nbd*.json")):
+        try:
+            data = json.loads(record.read_text())
+            found.append(
+                BlockAttachment(device=str(data["device"]), uri=str(data["uri"]), path="kernel-nbd")
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half-written or foreign: not ours to list
+    return found
+
+
+def _write_kernel_record(state_dir: str | os.PathLike[str], device: str, uri: str) -> None:
+    directory = _kernel_dir(state_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = Path(device).name
+    tmp = directory / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"device": device, "uri": uri}) + "\n")
+    tmp.replace(directory / f"{name}.json")
+
+
+def _kernel_connected(device: str) -> bool:
+    match = _NBD_DEVICE.fullmatch(device)
+    return match is not None and (nbd_kernel.SYS_BLOCK / f"nbd{match[1]}" / "pid").exists()
+
+
+def list_block_attachments(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
+    """Every block attachment recorded under ``state_dir``, kernel ones first."""
+    found = _kernel_records(state_dir)
+    if pyfuse3_installed() and Path(state_dir).exists():
+        from fuse import blockdev
+
+        for a in blockdev.list_attachments(state_dir):
+            found.append(
+                BlockAttachment(
+                    device=a.device,
+                    uri=a.uri,
+                    path="fuse-loop",
+                    mountpoint=str(a.mountpoint),
+                    pid=a.pid,
+                )
+            )
+    return found
+
+
+def attach_block(
+    uri: str,
+    state_dir: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    connections: int = 4,
+    timeout: float = 30.0,
+) -> str:
+    """Attach the NBD export at ``uri``; its block device ("/dev/nbdN" or "/dev/loopN").
+
+    ``connections`` is for fuse-loop (NBD connections behind the FUSE file);
+    the kernel path uses one.  Already attached: its device.
+    """
+    if plan.block is None:
+        raise PathUnavailable(f"no block path on this host: {plan.block_reason}")
+    try:
+        nbd_client.parse_nbd_uri(uri)
+    except ValueError as e:
+        raise AttachError(str(e)) from e
+    existing = [a for a in list_block_attachments(state_dir) if a.uri == uri]
+    for a in existing:
+        if a.path == "kernel-nbd" and _kernel_connected(a.device):
+            return a.device
+    # fuse.blockdev is idempotent itself, and repairs a half-made or broken attachment
+    if plan.block == "fuse-loop" or any(a.path == "fuse-loop" for a in existing):
+        from fuse import blockdev
+
+        try:
+            attachment = blockdev.attach_fuse_block(uri, state_dir, connections=connections)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise AttachError(f"attaching {uri} through FUSE and a loop device failed: {e}") from e
+        return attachment.device
+    for a in existing:  # a kernel record whose device is gone: forget it
+        _detach_kernel(a.device, state_dir)
+    return _attach_kernel(uri, state_dir, timeout)
+
+
+def _attach_kernel(uri: str, state_dir: str | os.PathLike[str], timeout: float) -> str:
+    try:
+        negotiated = nbd_client.connect_uri(uri, timeout)
+    except (OSError, ValueError, nbd_client.HandshakeError) as e:
+        raise AttachError(f"connecting to {uri} failed: {e}") from e
+    try:
+        device = nbd_kernel.attach_kernel(negotiated, backend_identifier=uri)
+    except nbd_kernel.KernelNBDError as e:
+        raise AttachError(f"attaching {uri} to the kernel's nbd driver failed: {e}") from e
+    finally:
+        negotiated.sock.close()  # the kernel holds its own reference now
+    try:
+        _write_kernel_record(state_dir, device, uri)
+    except OSError as e:
+        with contextlib.suppress(nbd_kernel.KernelNBDError):
+            nbd_kernel.detach_kernel(device)
+        raise AttachError(f"recording {device} under {state_dir} failed: {e}") from e
+    return device
+
+
+def _detach_kernel(device: str, state_dir: str | os.PathLike[str]) -> None:
+    if _kernel_connected(device):
+        try:
+            nbd_kernel.detach_kernel(device)
+        except nbd_kernel.KernelNBDError as e:
+            raise AttachError(f"detaching {device} failed: {e}") from e
+    with contextlib.suppress(FileNotFoundError):
+        (_kernel_dir(state_dir) / f"{Path(device).name}.json").unlink()
+
+
+def _detach_fuse(device_or_uri: str, state_dir: str | os.PathLike[str]) -> None:
+    if not pyfuse3_installed():
+        return  # no FUSE attachment can exist
+    from fuse import blockdev
+
+    try:
+        blockdev.detach_fuse_block(device_or_uri, state_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        # a device still mounted is refused (fuse.loop.LoopBusy) and left as it is
+        raise AttachError(f"detaching {device_or_uri} failed: {e}") from e
+
+
+def detach_block(device_or_uri: str, state_dir: str | os.PathLike[str]) -> None:
+    """Detach a device (or whatever a URI is attached as); not attached: nothing to do."""
+    if "://" in device_or_uri:
+        for a in _kernel_records(state_dir):
+            if a.uri == device_or_uri:
+                _detach_kernel(a.device, state_dir)
+        _detach_fuse(device_or_uri, state_dir)  # also clears a half-made attachment
+    elif _NBD_DEVICE.fullmatch(device_or_uri):
+        _detach_kernel(device_or_uri, state_dir)
+    else:
+        _detach_fuse(device_or_uri, state_dir)
+
+
+def refresh_block(uri: str, state_dir: str | os.PathLike[str], timeout: float = 30.0) -> int:
+    """After the export grew: make its device as large; the new size in bytes."""
+    found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
+    if not found:
+        raise AttachError(f"{uri} is not attached on this node")
+    a = found[0]
+    if a.path == "kernel-nbd":
+        try:
+            negotiated = nbd_client.connect_uri(uri, timeout)
+        except (OSError, ValueError, nbd_client.HandshakeError) as e:
+            raise AttachError(f"connecting to {uri} to read its size failed: {e}") from e
+        negotiated.sock.close()
+        try:
+            nbd_kernel.resize_kernel(a.device, negotiated.size, backend_identifier=uri)
+        except nbd_kernel.KernelNBDError as e:
+            raise AttachError(f"resizing {a.device} failed: {e}") from e
+        return negotiated.size
+    from fuse import blockdev
+
+    attachment = next(x for x in blockdev.list_attachments(state_dir) if x.uri == uri)
+    try:
+        return blockdev.refresh_size(attachment)
+    except (OSError, RuntimeError) as e:
+        raise AttachError(f"refreshing {a.device} failed: {e}") from e
+
+
+def reconcile_block_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
+    """At a restart: undo half-made attachments, report broken ones (left as
+    they are: a filesystem may still be mounted on them).  One line each."""
+    report = [
+        f"{a.uri} on {a.device}: lost its NBD connection"
+        for a in _kernel_records(state_dir)
+        if not _kernel_connected(a.device)
+    ]
+    if pyfuse3_installed() and Path(state_dir).exists():
+        from fuse import blockdev
+
+        report += blockdev.reconcile_attachments(state_dir)
+    return report
+
+
+def block_attachment_problem(uri: str, state_dir: str | os.PathLike[str]) -> str | None:
+    """Why the attachment of ``uri`` does not work (None: it does)."""
+    found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
+    if not found:
+        return f"{uri} is not attached on this node"
+    a = found[0]
+    if a.path == "kernel-nbd":
+        return None if _kernel_connected(a.device) else f"{a.device} lost its NBD connection"
+    from fuse import blockdev
+
+    for x in blockdev.list_attachments(state_dir):
+        if x.uri == uri and not blockdev.is_healthy(x):
+            return (
+                f"the FUSE block file process of {a.device} (pid {x.pid}) is dead or its "
+                "mount is gone: unstage and stage the volume again"
+            )
+    return None
