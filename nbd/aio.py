@@ -33,16 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from nbd.libnbd import (
-    CmdFlag,
-    NBDClient,
-    NBDError,
-    _CompletionCallback,
-    _CompletionFn,
-    _FreeFn,
-    _lib,
-    error_for,
-)
+from nbd.libnbd import CmdFlag, NBDClient, NBDError
+from nbd.libnbd_ctypes import _CompletionCallback, _CompletionFn, _FreeFn, _lib
+from nbd.libnbd_errors import error_for
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer

@@ -1,11 +1,11 @@
-"""ctypes bindings to libnbd (``libnbd.so.0``, written against the 1.14 ABI): a typed NBD client.
+"""A typed NBD client over libnbd (``libnbd.so.0``, written against the 1.14 ABI).
 
 The synchronous API is bound here: every call blocks the calling thread (ctypes drops the
 GIL meanwhile) and a handle may be shared between threads, libnbd serialising its users.
-The asynchronous calls are declared here too and used by :mod:`nbd.aio`, which drives
-them from trio.
-For parallel I/O open several handles; :class:`ConnectionPool` does that when the server
-advertises multi-conn.
+The C declarations and the loading of the library are in :mod:`nbd.libnbd_ctypes`; the
+asynchronous calls are driven from trio by :mod:`nbd.aio`.
+For parallel I/O open several handles; :class:`~nbd.libnbd_pool.ConnectionPool` does that
+when the server advertises multi-conn.
 
 Errors: a failing call raises :class:`NBDError` (an ``OSError``) made from
 ``nbd_get_error()``/``nbd_get_errno()``, which libnbd keeps per thread, so they are read in a
@@ -23,17 +23,19 @@ import ctypes
 import enum
 import errno as _errno
 import os
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self
 
+from nbd.libnbd_ctypes import _ExtentCallback, _ExtentFn, _FreeFn, _lib, _take_string
+
+# The errors this client raises, defined apart so the ctypes layer can raise them
+# too; they are part of this module's API, so they are re-exported here.
+from nbd.libnbd_errors import NBDError as NBDError
+from nbd.libnbd_errors import NBDUnavailable as NBDUnavailable
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, StrPath, WriteableBuffer
-
-SONAME = "libnbd.so.0"
 
 
 class Tls(enum.IntEnum):
@@ -108,206 +110,6 @@ class Extent(NamedTuple):
     @property
     def is_zero(self) -> bool:
         return bool(self.flags & AllocationState.ZERO)
-
-
-# ------------------------------------------------------------------ errors
-
-
-class NBDError(OSError):
-    """A libnbd call failed: libnbd's message, and its errno when it gave one (else None)."""
-
-    def __init__(self, message: str, errno: int | None = None) -> None:
-        if errno:
-            super().__init__(errno, message)
-        else:
-            super().__init__(message)
-        self.message = message
-
-
-class NBDUnavailable(NBDError):
-    """``libnbd.so.0`` cannot be loaded (or lacks a symbol this module needs)."""
-
-
-_KINDS: dict[type[OSError], type[NBDError]] = {}
-
-
-def error_for(message: str, errno: int | None) -> NBDError:
-    """An NBDError that is also the builtin OSError subclass for ``errno`` (if there is one)."""
-    builtin = type(OSError(errno, message)) if errno else OSError
-    if builtin is OSError:
-        return NBDError(message, errno)
-    kind = _KINDS.get(builtin)
-    if kind is None:
-        kind = type(f"NBD{builtin.__name__}", (NBDError, builtin), {"__module__": __name__})
-        _KINDS[builtin] = kind  # a racing thread builds an equal class: harmless
-    return kind(message, errno)
-
-
-# ------------------------------------------------------------ the library
-
-# int (*callback)(void *user_data, const char *metacontext, uint64_t offset,
-#                 uint32_t *entries, size_t nr_entries, int *error)
-_ExtentFn = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_char_p,
-    ctypes.c_uint64,
-    ctypes.POINTER(ctypes.c_uint32),
-    ctypes.c_size_t,
-    ctypes.POINTER(ctypes.c_int),
-)
-_FreeFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _ExtentCallback(ctypes.Structure):
-    """``nbd_extent_callback``, passed to libnbd by value."""
-
-    _fields_ = [("callback", _ExtentFn), ("user_data", ctypes.c_void_p), ("free", _FreeFn)]
-
-
-# int (*callback)(void *user_data, int *error)
-_CompletionFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
-
-
-class _CompletionCallback(ctypes.Structure):
-    """``nbd_completion_callback``, passed to libnbd by value."""
-
-    _fields_ = [("callback", _CompletionFn), ("user_data", ctypes.c_void_p), ("free", _FreeFn)]
-
-
-def _last_error() -> NBDError:
-    lib = _loaded
-    assert lib is not None
-    message = lib.nbd_get_error()
-    text = message.decode(errors="replace") if message else "libnbd call failed"
-    return error_for(text, int(lib.nbd_get_errno()))
-
-
-def _check_int(result: int, func: Any, args: tuple[Any, ...]) -> int:
-    if result == -1:
-        raise _last_error()
-    return result
-
-
-def _check_ptr(result: Any, func: Any, args: tuple[Any, ...]) -> Any:
-    if not result:
-        raise _last_error()
-    return result
-
-
-_H = ctypes.c_void_p
-_STR = ctypes.c_char_p
-_U32, _U64, _INT = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
-_RANGE = [_H, _U64, _U64, _U32]  # (h, count, offset, flags)
-_IO = [_H, ctypes.c_void_p, ctypes.c_size_t, _U64, _U32]  # (h, buf, count, offset, flags)
-_Check = Callable[[Any, Any, tuple[Any, ...]], Any] | None
-
-# name: (restype, argtypes, errcheck).  Signatures from libnbd.h of libnbd 1.14.
-_PROTOTYPES: dict[str, tuple[Any, list[Any], _Check]] = {
-    "nbd_create": (ctypes.c_void_p, [], _check_ptr),
-    "nbd_close": (None, [_H], None),
-    "nbd_get_error": (_STR, [], None),
-    "nbd_get_errno": (_INT, [], None),
-    "nbd_get_version": (_STR, [_H], _check_ptr),
-    "nbd_supports_tls": (_INT, [_H], _check_int),
-    "nbd_set_export_name": (_INT, [_H, _STR], _check_int),
-    # Returns a malloc'd string the caller frees: kept as a raw pointer.
-    "nbd_get_export_name": (ctypes.c_void_p, [_H], _check_ptr),
-    "nbd_set_tls": (_INT, [_H, _INT], _check_int),
-    "nbd_get_tls_negotiated": (_INT, [_H], _check_int),
-    "nbd_set_tls_certificates": (_INT, [_H, _STR], _check_int),
-    "nbd_set_tls_verify_peer": (_INT, [_H, ctypes.c_bool], _check_int),
-    "nbd_set_request_structured_replies": (_INT, [_H, ctypes.c_bool], _check_int),
-    "nbd_get_structured_replies_negotiated": (_INT, [_H], _check_int),
-    "nbd_set_handshake_flags": (_INT, [_H, _U32], _check_int),
-    "nbd_add_meta_context": (_INT, [_H, _STR], _check_int),
-    "nbd_connect_uri": (_INT, [_H, _STR], _check_int),
-    "nbd_connect_tcp": (_INT, [_H, _STR, _STR], _check_int),
-    "nbd_connect_unix": (_INT, [_H, _STR], _check_int),
-    "nbd_aio_is_ready": (_INT, [_H], None),
-    "nbd_is_read_only": (_INT, [_H], _check_int),
-    "nbd_is_rotational": (_INT, [_H], _check_int),
-    "nbd_can_flush": (_INT, [_H], _check_int),
-    "nbd_can_fua": (_INT, [_H], _check_int),
-    "nbd_can_trim": (_INT, [_H], _check_int),
-    "nbd_can_zero": (_INT, [_H], _check_int),
-    "nbd_can_fast_zero": (_INT, [_H], _check_int),
-    "nbd_can_df": (_INT, [_H], _check_int),
-    "nbd_can_multi_conn": (_INT, [_H], _check_int),
-    "nbd_can_cache": (_INT, [_H], _check_int),
-    "nbd_can_meta_context": (_INT, [_H, _STR], _check_int),
-    "nbd_get_protocol": (_STR, [_H], _check_ptr),
-    "nbd_get_size": (ctypes.c_int64, [_H], _check_int),
-    "nbd_get_block_size": (ctypes.c_int64, [_H, _INT], _check_int),
-    "nbd_pread": (_INT, _IO, _check_int),
-    "nbd_pwrite": (_INT, _IO, _check_int),
-    "nbd_flush": (_INT, [_H, _U32], _check_int),
-    "nbd_trim": (_INT, _RANGE, _check_int),
-    "nbd_zero": (_INT, _RANGE, _check_int),
-    "nbd_cache": (_INT, _RANGE, _check_int),
-    "nbd_block_status": (_INT, [_H, _U64, _U64, _ExtentCallback, _U32], _check_int),
-    "nbd_shutdown": (_INT, [_H, _U32], _check_int),
-    # The asynchronous API, for nbd.aio.
-    "nbd_aio_get_fd": (_INT, [_H], _check_int),
-    "nbd_aio_get_direction": (ctypes.c_uint, [_H], None),
-    "nbd_aio_notify_read": (_INT, [_H], _check_int),
-    "nbd_aio_notify_write": (_INT, [_H], _check_int),
-    "nbd_aio_pread": (
-        ctypes.c_int64,
-        [_H, ctypes.c_void_p, ctypes.c_size_t, _U64, _CompletionCallback, _U32],
-        _check_int,
-    ),
-    "nbd_aio_pwrite": (
-        ctypes.c_int64,
-        [_H, ctypes.c_void_p, ctypes.c_size_t, _U64, _CompletionCallback, _U32],
-        _check_int,
-    ),
-    "nbd_aio_flush": (ctypes.c_int64, [_H, _CompletionCallback, _U32], _check_int),
-    "nbd_aio_zero": (ctypes.c_int64, [_H, _U64, _U64, _CompletionCallback, _U32], _check_int),
-    "nbd_aio_in_flight": (_INT, [_H], _check_int),
-    "nbd_aio_is_dead": (_INT, [_H], None),
-    "nbd_aio_is_closed": (_INT, [_H], None),
-}
-
-_load_lock = threading.Lock()
-_loaded: ctypes.CDLL | None = None
-_free: Callable[[int], None] | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    """libnbd with its prototypes declared, loaded on first use."""
-    global _loaded, _free
-    if _loaded is not None:
-        return _loaded
-    with _load_lock:
-        if _loaded is None:
-            try:
-                lib = ctypes.CDLL(SONAME)
-                for name, (restype, argtypes, errcheck) in _PROTOTYPES.items():
-                    func = getattr(lib, name)
-                    func.restype = restype
-                    func.argtypes = argtypes
-                    if errcheck is not None:
-                        func.errcheck = errcheck
-                libc_free = ctypes.CDLL(None).free
-            except (OSError, AttributeError) as e:
-                raise NBDUnavailable(
-                    f"libnbd is not usable: cannot load {SONAME} ({e}); install libnbd0 (>= 1.14)"
-                ) from e
-            libc_free.restype = None
-            libc_free.argtypes = [ctypes.c_void_p]
-            _free = libc_free
-            _loaded = lib
-    return _loaded
-
-
-def _take_string(pointer: int) -> str:
-    """Copy a malloc'd C string that libnbd handed over, then free it."""
-    assert _free is not None
-    try:
-        return ctypes.string_at(pointer).decode(errors="replace")
-    finally:
-        _free(pointer)
 
 
 def _c_string(value: str) -> bytes:
@@ -613,68 +415,3 @@ class NBDClient:
         if failures:
             raise failures[0]
         return extents
-
-
-# ------------------------------------------------------------ multi-conn
-
-
-class ConnectionPool:
-    """Up to ``connections`` clients of one export: all of them only if the server
-    advertises multi-conn (else one).  Threads check a client out with :meth:`client`.
-
-    With multi-conn a flush on any connection covers writes completed on all of them.
-    """
-
-    def __init__(
-        self,
-        uri: str,
-        connections: int = 4,
-        *,
-        configure: Callable[[NBDClient], None] | None = None,
-    ) -> None:
-        if connections < 1:
-            raise ValueError(f"connections must be at least 1, not {connections}")
-        clients = [NBDClient.open(uri, configure=configure)]
-        try:
-            if connections > 1 and clients[0].can_multi_conn():
-                for _ in range(connections - 1):
-                    clients.append(NBDClient.open(uri, configure=configure))
-        except BaseException:
-            for c in clients:
-                c.close()
-            raise
-        self.clients: tuple[NBDClient, ...] = tuple(clients)
-        self._idle: queue.SimpleQueue[NBDClient] = queue.SimpleQueue()
-        for c in clients:
-            self._idle.put(c)
-
-    def __len__(self) -> int:
-        return len(self.clients)
-
-    @contextmanager
-    def client(self) -> Iterator[NBDClient]:
-        """A client for this thread alone until the block ends (waits for a free one)."""
-        c = self._idle.get()
-        try:
-            yield c
-        finally:
-            self._idle.put(c)
-
-    def flush(self) -> None:
-        with self.client() as c:
-            c.flush()
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.disconnect()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

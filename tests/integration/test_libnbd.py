@@ -1,4 +1,5 @@
-"""nbd.libnbd (ctypes over libnbd.so.0) against real servers: moorage, qemu-nbd and nbdkit.
+"""nbd.libnbd (ctypes over libnbd.so.0, pooled by nbd.libnbd_pool) against real servers: moorage,
+qemu-nbd and nbdkit.
 
 What the bindings report is checked against ``nbdinfo --json`` (libnbd's own tool) for the
 same export, and what they write against the image file behind the server.
@@ -31,12 +32,12 @@ from nbd.libnbd import (
     LIBNBD_TLS_DISABLE,
     LIBNBD_TLS_REQUIRE,
     CmdFlag,
-    ConnectionPool,
     Extent,
     NBDClient,
     NBDError,
     NBDUnavailable,
 )
+from nbd.libnbd_pool import ConnectionPool
 from tests.conftest import REPO, NBDServerFactory, free_port, sparse_image, wait_for_port
 from tests.integration.test_nbd_clients import (
     MiB,
@@ -268,7 +269,8 @@ def test_close_is_idempotent_and_a_closed_handle_refuses_calls(peer: Peer) -> No
 def test_missing_library_raises_nbd_unavailable_on_first_use() -> None:
     code = (
         "import nbd.libnbd as m\n"
-        "m.SONAME = 'libnbd-absent.so.0'\n"
+        "import nbd.libnbd_ctypes\n"
+        "nbd.libnbd_ctypes.SONAME = 'libnbd-absent.so.0'\n"
         "try:\n"
         "    m.NBDClient()\n"
         "except m.NBDUnavailable as e:\n"
