@@ -11,6 +11,8 @@ driver cannot speak TLS (it would read TLS records as NBD replies), so
 ``nbd.kernel.attach_kernel`` refuses it.  Putting a TLS export behind a kernel
 device needs a userspace TLS proxy (what ``nbd-client`` does), which moorage
 does not have.
+
+``connect_uri`` takes an NBD URI, parsed by ``nbd.uri``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import contextlib
 import socket
 import ssl
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from nbd import codec
 from nbd.codec import ProtocolError
@@ -36,8 +37,8 @@ from nbd.constants import (
     OptionReply,
     TransmissionFlag,
 )
+from nbd.uri import parse_nbd_uri
 
-NBD_DEFAULT_PORT = 10809
 # The second magic of an oldstyle greeting ("cliserv_magic").
 _OLDSTYLE_MAGIC = 0x00420281861253
 _INFO_BLOCK_SIZE = struct.Struct(">III")
@@ -84,74 +85,6 @@ class Negotiated:
     @property
     def read_only(self) -> bool:
         return bool(self.transmission_flags & TransmissionFlag.READ_ONLY)
-
-
-@dataclass(frozen=True, slots=True)
-class NBDURI:
-    """A parsed NBD URI (the ``nbd://``, ``nbds://``, ``nbd+unix://`` schemes)."""
-
-    export_name: str
-    tls: bool
-    host: str | None = None
-    port: int = NBD_DEFAULT_PORT
-    socket_path: str | None = None
-    query: dict[str, str] = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------ the URI
-
-_SCHEMES = {
-    "nbd": (False, False),
-    "nbds": (True, False),
-    "nbd+unix": (False, True),
-    "nbds+unix": (True, True),
-}
-
-
-def parse_nbd_uri(uri: str) -> NBDURI:
-    """Parse ``nbd[s]://host[:port]/export`` or ``nbd[s]+unix:///export?socket=PATH``."""
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        raise ValueError(f"not an NBD URI (scheme {parts.scheme!r}): {uri!r}")
-    tls, unix = _SCHEMES[scheme]
-    if parts.fragment:
-        raise ValueError(f"NBD URI must not have a fragment: {uri!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"NBD URI must not carry user information: {uri!r}")
-    query: dict[str, str] = {}
-    for key, values in parse_qs(parts.query, keep_blank_values=True, strict_parsing=False).items():
-        if len(values) != 1:
-            raise ValueError(f"NBD URI query parameter {key!r} given {len(values)} times")
-        query[key] = values[0]
-    # The export name is the path without its first "/"; "nbd://h//x" names "/x".
-    path = unquote(parts.path)
-    export = path[1:] if path.startswith("/") else path
-    if len(export.encode()) > MAX_STRING or "\0" in export:
-        raise ValueError(f"invalid export name in NBD URI: {uri!r}")
-    if unix:
-        if parts.netloc:
-            raise ValueError(f"an nbd+unix URI has no host: {uri!r}")
-        socket_path = query.pop("socket", "")
-        if not socket_path:
-            raise ValueError(f"an nbd+unix URI needs ?socket=PATH: {uri!r}")
-        return NBDURI(export_name=export, tls=tls, socket_path=socket_path, query=query)
-    if "socket" in query:
-        raise ValueError(f"?socket= is only allowed with nbd+unix: {uri!r}")
-    host = parts.hostname
-    if not host:
-        raise ValueError(f"NBD URI has no host: {uri!r}")
-    try:
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"invalid port in NBD URI {uri!r}: {e}") from e
-    return NBDURI(
-        export_name=export,
-        tls=tls,
-        host=host,
-        port=NBD_DEFAULT_PORT if port is None else port,
-        query=query,
-    )
 
 
 # ------------------------------------------------------------ socket I/O
@@ -499,8 +432,6 @@ def connect_uri(
 
 
 __all__ = [
-    "NBDURI",
-    "NBD_DEFAULT_PORT",
     "BlockSize",
     "HandshakeError",
     "Negotiated",
@@ -508,5 +439,7 @@ __all__ = [
     "connect_unix",
     "connect_uri",
     "handshake",
+    # nbd.uri's parser, which connect_uri uses; re-exported because csi/attach.py
+    # calls it as nbd.client.parse_nbd_uri.
     "parse_nbd_uri",
 ]
