@@ -46,6 +46,7 @@ DEV_LOOP_CONTROL = Path("/dev/loop-control")
 PROC_FILESYSTEMS = Path("/proc/filesystems")
 MOUNT_NFS4 = (Path("/sbin/mount.nfs4"), Path("/usr/sbin/mount.nfs4"))
 
+# the kernel NFS client: its names in /proc/filesystems and in the mount table
 KERNEL_NFS_FSTYPES: Final = ("nfs4", "nfs")
 
 
