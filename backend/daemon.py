@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +150,7 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
         path.unlink(missing_ok=True)
         old = os.umask(0o177)
         try:
-            server.add_insecure_port(address)
+            _bind(address, lambda: server.add_insecure_port(address))
         finally:
             os.umask(old)
         return server
@@ -162,13 +163,23 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
         )
         if ca is None and config.token_file is None:
             raise InvalidArgument("a TCP API needs --token-file or client certificates")
-        server.add_secure_port(address, creds)
+        _bind(address, lambda: server.add_secure_port(address, creds))
     else:
         if config.token_file is None:
             raise InvalidArgument("a TCP API needs --token-file or client certificates")
         log.warning("API on %s without TLS: the bearer token crosses the network in clear", address)
-        server.add_insecure_port(address)
+        _bind(address, lambda: server.add_insecure_port(address))
     return server
+
+
+def _bind(address: str, add_port: Callable[[], int]) -> None:
+    """gRPC's add_*_port, its failure (a RuntimeError without the cause) named for the user."""
+    try:
+        add_port()
+    except RuntimeError as e:
+        raise Unavailable(
+            f"cannot serve the API on {address}: the address is taken or not this host's"
+        ) from e
 
 
 def check_api_access(config: DaemonConfig) -> None:

@@ -103,6 +103,9 @@ class StorageNodeCollector(Collector):
 def serve_metrics(address: str, collector: StorageNodeCollector) -> None:
     """Serve :data:`REGISTRY`, with ``collector`` in it, over HTTP on HOST:PORT."""
     host, _, port = address.rpartition(":")
+    try:
+        start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=REGISTRY)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot serve metrics on {address}: {e.strerror or e}") from e
     REGISTRY.register(collector)
-    start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=REGISTRY)
     log.info("metrics on http://%s/metrics", address)

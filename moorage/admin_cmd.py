@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from backend.client import BackendClient
 from backend.proto import backend_pb2 as pb
+from moorage.output import CANNOT_START, FAILED, UNREACHABLE, fail, print_json
 from moorage.units import format_size, parse_size
 
 console = Console()
@@ -30,6 +30,8 @@ snapshot_app = typer.Typer(help="Snapshots on a storage node.", no_args_is_help=
 pool_app = typer.Typer(help="The storage node's pool.", no_args_is_help=True)
 
 _state: dict[str, Any] = {}
+# one Option shared by every command that prints a result
+_JSON = typer.Option(False, "--json", help="Print the result as JSON.")
 
 
 def _connection_options(
@@ -50,26 +52,48 @@ for _app in (volume_app, snapshot_app, pool_app):
     _app.callback()(_connection_options)
 
 
+def unreachable(address: str, error: grpc.RpcError) -> str | None:
+    """What to tell the user when ``error`` means nothing answered at ``address``.
+
+    gRPC reports a storage node that is not there (no socket, connection
+    refused, no route) as UNAVAILABLE "failed to connect"; the same code with
+    other details comes from a storage node that answered.
+    """
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else ""
+    if code != grpc.StatusCode.UNAVAILABLE or "failed to connect" not in (details or ""):
+        return None
+    reason = (details or "").rsplit(": ", 1)[-1].strip()
+    return (
+        f"no storage node answered at {address} ({reason}); start one with "
+        "`moorage backend serve --data-dir DIR`, or point to one with --backend ADDRESS "
+        "or MOORAGE_BACKEND=ADDRESS"
+    )
+
+
 @contextmanager
-def _client() -> Iterator[BackendClient]:
+def _client(command: str) -> Iterator[BackendClient]:
+    """A client of the storage node at --backend; its errors as the CLI's conventions say."""
+    address = _state.get("backend", DEFAULT_BACKEND)
     try:
         client = BackendClient(
-            _state.get("backend", DEFAULT_BACKEND),
+            address,
             token_file=_state.get("token"),
             ca=_state.get("ca"),
             cert=_state.get("cert"),
             key=_state.get("key"),
         )
     except (OSError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+        raise fail(command, str(e), CANNOT_START) from e
     try:
         yield client
     except grpc.RpcError as e:
+        message = unreachable(address, e)
+        if message is not None:
+            raise fail(command, message, UNREACHABLE) from e
         code = e.code().name if hasattr(e, "code") else "UNKNOWN"
         details = e.details() if hasattr(e, "details") else str(e)
-        console.print(f"[red]{code}[/red]: {details}")
-        raise typer.Exit(1) from e
+        raise fail(command, f"{code}: {details}", FAILED) from e
     finally:
         client.close()
 
@@ -77,10 +101,9 @@ def _client() -> Iterator[BackendClient]:
 def _emit(message: Message | list[Message], as_json: bool, table: Callable[[], Table]) -> None:
     if as_json:
         if isinstance(message, list):
-            data: Any = [_dict(m) for m in message]
+            print_json([_dict(m) for m in message])
         else:
-            data = _dict(message)
-        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+            print_json(_dict(message))
     else:
         console.print(table())
 
@@ -132,7 +155,7 @@ def volume_create(
     squash: str | None = typer.Option(None, "--squash", help="nfs: root_squash, ..."),
     from_snapshot: str | None = typer.Option(None, "--from-snapshot", help="Snapshot id."),
     from_volume: str | None = typer.Option(None, "--from-volume", help="Volume id or name."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = _JSON,
 ) -> None:
     """Create a volume (the same call again returns the same volume)."""
     kinds = {"nbd": pb.NBD, "nfs": pb.NFS}
@@ -143,7 +166,7 @@ def volume_create(
             "give --from-snapshot or --from-volume, not both", param_hint="--from-volume"
         )
     params = {k: v for k, v in (("fs_type", fs_type), ("squash", squash)) if v is not None}
-    with _client() as c:
+    with _client("volume create") as c:
         req = pb.CreateVolumeRequest(
             name=name, type=kinds[type_], size_bytes=_size(size), parameters=params
         )
@@ -157,20 +180,20 @@ def volume_create(
 
 @volume_app.command("get")
 def volume_get(
-    ref: str = typer.Argument(..., help="Id or name."),
-    as_json: bool = typer.Option(False, "--json"),
+    ref: str = typer.Argument(..., metavar="VOLUME", help="Id or name."),
+    as_json: bool = _JSON,
 ) -> None:
     """Show one volume."""
-    with _client() as c:
+    with _client("volume get") as c:
         v = _resolve(c, ref)
     _emit(v, as_json, lambda: _volumes_table([v]))
 
 
 @volume_app.command("list")
-def volume_list(as_json: bool = typer.Option(False, "--json")) -> None:
+def volume_list(as_json: bool = _JSON) -> None:
     """List every volume (following pagination tokens)."""
     volumes: list[pb.Volume] = []
-    with _client() as c:
+    with _client("volume list") as c:
         token = ""
         while True:
             page = c.list_volumes(max_entries=100, token=token)
@@ -182,36 +205,42 @@ def volume_list(as_json: bool = typer.Option(False, "--json")) -> None:
 
 
 @volume_app.command("delete")
-def volume_delete(ref: str = typer.Argument(..., help="Id or name.")) -> None:
+def volume_delete(
+    ref: str = typer.Argument(..., metavar="VOLUME", help="Id or name."),
+    as_json: bool = _JSON,
+) -> None:
     """Delete a volume (refused while it is published)."""
-    with _client() as c:
+    with _client("volume delete") as c:
         v = _resolve(c, ref)
         c.delete_volume(v.id)
-    console.print(f"deleted volume {v.name} ({v.id})")
+    if as_json:
+        print_json({"id": v.id, "name": v.name, "deleted": True})
+    else:
+        console.print(f"deleted volume {v.name} ({v.id})")
 
 
 @volume_app.command("expand")
 def volume_expand(
-    ref: str = typer.Argument(..., help="Id or name."),
+    ref: str = typer.Argument(..., metavar="VOLUME", help="Id or name."),
     size: str = typer.Option(..., "--size", help="The new size, e.g. 20G."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = _JSON,
 ) -> None:
     """Grow a volume (and, for nfs, its filesystem, online)."""
-    with _client() as c:
+    with _client("volume expand") as c:
         v = c.expand_volume(_resolve(c, ref).id, _size(size))
     _emit(v, as_json, lambda: _volumes_table([v]))
 
 
 @volume_app.command("publish")
 def volume_publish(
-    ref: str = typer.Argument(..., help="Id or name."),
+    ref: str = typer.Argument(..., metavar="VOLUME", help="Id or name."),
     node: str = typer.Option(..., "--node", help="Node id."),
     address: str = typer.Option(..., "--address", help="The node's IP address."),
     read_only: bool = typer.Option(False, "--read-only"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = _JSON,
 ) -> None:
     """Make a volume reachable by one node; prints how to reach it."""
-    with _client() as c:
+    with _client("volume publish") as c:
         r = c.publish(_resolve(c, ref).id, node, address, read_only)
 
     def table() -> Table:
@@ -232,14 +261,18 @@ def volume_publish(
 
 @volume_app.command("unpublish")
 def volume_unpublish(
-    ref: str = typer.Argument(..., help="Id or name."),
+    ref: str = typer.Argument(..., metavar="VOLUME", help="Id or name."),
     node: str = typer.Option(..., "--node", help="Node id."),
+    as_json: bool = _JSON,
 ) -> None:
     """Withdraw a volume from one node (its connections are closed)."""
-    with _client() as c:
+    with _client("volume unpublish") as c:
         v = _resolve(c, ref)
         c.unpublish(v.id, node)
-    console.print(f"unpublished volume {v.name} from {node}")
+    if as_json:
+        print_json({"id": v.id, "name": v.name, "node_id": node, "unpublished": True})
+    else:
+        console.print(f"unpublished volume {v.name} from {node}")
 
 
 def _snapshots_table(snaps: list[pb.Snapshot]) -> Table:
@@ -265,10 +298,10 @@ def _snapshots_table(snaps: list[pb.Snapshot]) -> Table:
 def snapshot_create(
     name: str = typer.Argument(...),
     volume: str = typer.Option(..., "--volume", help="Source volume id or name."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = _JSON,
 ) -> None:
     """Snapshot a volume (reflink where the pool supports it)."""
-    with _client() as c:
+    with _client("snapshot create") as c:
         s = c.create_snapshot(name, _resolve(c, volume).id)
     _emit(s, as_json, lambda: _snapshots_table([s]))
 
@@ -276,11 +309,11 @@ def snapshot_create(
 @snapshot_app.command("list")
 def snapshot_list(
     volume: str | None = typer.Option(None, "--volume", help="Only this volume's."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = _JSON,
 ) -> None:
     """List snapshots."""
     snaps: list[pb.Snapshot] = []
-    with _client() as c:
+    with _client("snapshot list") as c:
         source = _resolve(c, volume).id if volume else ""
         token = ""
         while True:
@@ -293,21 +326,27 @@ def snapshot_list(
 
 
 @snapshot_app.command("delete")
-def snapshot_delete(snapshot_id: str = typer.Argument(...)) -> None:
+def snapshot_delete(
+    snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT_ID"),
+    as_json: bool = _JSON,
+) -> None:
     """Delete a snapshot."""
-    with _client() as c:
+    with _client("snapshot delete") as c:
         c.delete_snapshot(snapshot_id)
-    console.print(f"deleted snapshot {snapshot_id}")
+    if as_json:
+        print_json({"id": snapshot_id, "deleted": True})
+    else:
+        console.print(f"deleted snapshot {snapshot_id}")
 
 
 @pool_app.command("status")
-def pool_status(as_json: bool = typer.Option(False, "--json")) -> None:
+def pool_status(as_json: bool = _JSON) -> None:
     """Pool capacity, thin-provisioning headroom and the node's health."""
-    with _client() as c:
+    with _client("pool status") as c:
         cap = c.capacity()
         health = c.health()
     if as_json:
-        typer.echo(json.dumps({"capacity": _dict(cap), "health": _dict(health)}, indent=2))
+        print_json({"capacity": _dict(cap), "health": _dict(health)})
         return
     t = Table(title="pool")
     t.add_column("")

@@ -20,7 +20,6 @@ record.  The FUSE processes log there too.  The paths can be forced with ``MOORA
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from csi import attach, mounts
+from moorage.output import fail, print_json
 
 DEFAULT_STATE_DIR = "/run/moorage/attach"
 STATE_DIR_ENV = "MOORAGE_ATTACH_STATE_DIR"
@@ -57,25 +57,20 @@ _STATE_DIR = typer.Option(
 )
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(1)
-
-
 @contextmanager
-def _errors() -> Iterator[None]:
+def _errors(command: str) -> Iterator[None]:
     """What the mechanics raise, as one line on stderr and exit status 1."""
     try:
         yield
     except (attach.AttachError, mounts.MountError, mounts.FilesystemError, ValueError) as e:
-        raise _fail(str(e)) from e
+        raise fail(command, str(e)) from e
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        raise _fail(f"{where}{e.strerror or e}") from e
+        raise fail(command, f"{where}{e.strerror or e}") from e
 
 
-def _plan() -> attach.Plan:
-    with _errors():
+def _plan(command: str) -> attach.Plan:
+    with _errors(command):
         return attach.probe()
 
 
@@ -89,9 +84,9 @@ def attach_probe(as_json: bool = typer.Option(False, "--json", help="Print JSON.
     Force one with MOORAGE_BLOCK_PATH=kernel-nbd|fuse-loop or
     MOORAGE_NFS_PATH=kernel-nfs|fuse-nfs; forcing one this host cannot use fails.
     """
-    plan = _plan()
+    plan = _plan("attach probe")
     if as_json:
-        typer.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+        print_json(plan.to_dict())
         return
     typer.echo(f"block: {plan.block or 'none'}")
     typer.echo(f"  {plan.block_reason}")
@@ -106,15 +101,19 @@ def attach_nbd(
         4, "--connections", min=1, max=16, help="NBD connections (fuse-loop path)."
     ),
     state_dir: Path = _STATE_DIR,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Attach an NBD export as a block device and print the device (/dev/nbdN or /dev/loopN).
 
     Attaching a URI that is already attached prints its device again.
     """
-    plan = _plan()
-    with _errors():
+    plan = _plan("attach nbd")
+    with _errors("attach nbd"):
         device = attach.attach_block(uri, state_dir, plan, connections=connections)
-    typer.echo(device)
+    if as_json:
+        print_json({"device": device, "uri": uri})
+    else:
+        typer.echo(device)
 
 
 def _attachments_table(attachments: list[attach.BlockAttachment]) -> Table:
@@ -134,10 +133,10 @@ def attach_list(
     state_dir: Path = _STATE_DIR,
 ) -> None:
     """List the block devices attached on this host."""
-    with _errors():
+    with _errors("attach list"):
         attachments = attach.list_block_attachments(state_dir)
     if as_json:
-        typer.echo(json.dumps([a.to_dict() for a in attachments], indent=2, sort_keys=True))
+        print_json([a.to_dict() for a in attachments])
     else:
         console.print(_attachments_table(attachments))
 
@@ -147,7 +146,7 @@ def detach(
     state_dir: Path = _STATE_DIR,
 ) -> None:
     """Detach a block device attached by `moorage attach nbd` (nothing attached: no-op)."""
-    with _errors():
+    with _errors("detach"):
         attach.detach_block(device, state_dir)
 
 
@@ -190,8 +189,8 @@ def mount_nfs(
     """
     server, port, path = parse_nfs_spec(export)
     directory = directory.absolute()
-    plan = _plan()
-    with _errors():
+    plan = _plan("mount nfs")
+    with _errors("mount nfs"):
         attach.mount_nfs_export(
             server,
             port,
@@ -206,5 +205,5 @@ def mount_nfs(
 
 def unmount(directory: Path = typer.Argument(..., help="Where the NFS export is mounted.")) -> None:
     """Unmount an NFS export mounted by `moorage mount nfs` (nothing mounted: no-op)."""
-    with _errors():
+    with _errors("unmount"):
         attach.unmount_nfs(directory)

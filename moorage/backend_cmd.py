@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import trio
@@ -11,6 +12,7 @@ import typer
 from backend.daemon import DaemonConfig, run_daemon
 from backend.errors import BackendError
 from backend.poolinit import init_loop_pool, release_loop_pool
+from moorage.output import fail, run_service
 from moorage.units import parse_size
 from nbd.server import tune_malloc
 
@@ -83,11 +85,17 @@ def serve(
         metrics_listen=metrics_listen,
     )
     tune_malloc()
-    try:
-        trio.run(run_daemon, config)
-    except BackendError as e:
-        typer.echo(f"moorage backend serve: {e}", err=True)
-        raise typer.Exit(1) from e
+    up = threading.Event()
+    run_service(
+        "backend serve", _serve, config, up, expected=(BackendError, OSError), started=up.is_set
+    )
+
+
+async def _serve(config: DaemonConfig, up: threading.Event) -> None:
+    """The storage node until a signal; ``up`` is set once it serves."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_daemon, config)
+        up.set()
 
 
 @pool_app.command("init")
@@ -98,10 +106,12 @@ def pool_init(
     """Make a sparse xfs (reflink) image, loop-mount it on DIR, and record it."""
     try:
         size = parse_size(loop_size)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--loop-size") from e
+    try:
         image = init_loop_pool(directory, size)
-    except (ValueError, BackendError) as e:
-        typer.echo(f"moorage backend pool init: {e}", err=True)
-        raise typer.Exit(1) from e
+    except BackendError as e:
+        raise fail("backend pool init", str(e)) from e
     typer.echo(f"pool {directory.resolve()} mounted from {image}")
 
 
@@ -113,6 +123,5 @@ def pool_release(
     try:
         release_loop_pool(directory)
     except BackendError as e:
-        typer.echo(f"moorage backend pool release: {e}", err=True)
-        raise typer.Exit(1) from e
+        raise fail("backend pool release", str(e)) from e
     typer.echo(f"pool {directory.resolve()} released")

@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from typing import Any
 
 import typer
+
+from moorage.output import tidy_help
 
 # name → (module, attribute, kind): "group" is a Typer sub-app, "command" a function.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -68,8 +71,13 @@ def _command_word(argv: list[str]) -> str | None:
     return None
 
 
+def command(only: str | None = None) -> Any:
+    """The click command tree ``moorage`` runs, its help tidied (``moorage.output``)."""
+    return tidy_help(typer.main.get_command(build_app(only)))
+
+
 def main() -> None:
-    build_app(_command_word(sys.argv[1:]))()
+    command(_command_word(sys.argv[1:]))(prog_name="moorage")
 
 
 # The full application, for tools that introspect it (tests, docs).

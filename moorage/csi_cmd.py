@@ -26,13 +26,15 @@ from typing import Any
 import grpc
 import typer
 
+from moorage.output import CANNOT_START, fail
+
 app = typer.Typer(help="The CSI plugin (csi.moorage.dev).", no_args_is_help=True)
 log = logging.getLogger("moorage.csi")
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"moorage csi: {message}", err=True)
-    return typer.Exit(2)
+    """The plugin cannot start: one line on stderr, exit 2 (docs/cli.md)."""
+    return fail("csi", message, CANNOT_START)
 
 
 @app.command("serve")

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moorage.output import CANNOT_START, fail
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer
 
@@ -32,8 +33,7 @@ DATA_SIZE = 32 * 1024 * 1024
 def _need(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        console.print(f"[red]demo needs {tool}[/red]; run deploy/host/install-deps.sh")
-        raise typer.Exit(2)
+        raise fail("demo", f"needs {tool}; run deploy/host/install-deps.sh", CANNOT_START)
     return path
 
 
@@ -134,7 +134,7 @@ async def _nbd_demo(state: Path) -> None:
     for p in (source, copy_back, image):
         p.unlink()
     if not same:
-        raise typer.Exit(1)
+        raise fail("demo", "what nbdcopy read back does not match what was written")
 
 
 def demo(
@@ -151,5 +151,4 @@ def demo(
 
         trio.run(node_demo, state_dir, console)
     except (RuntimeError, subprocess.SubprocessError) as e:
-        console.print(f"[red]demo failed:[/red] {e}")
-        raise typer.Exit(1) from e
+        raise fail("demo", f"failed: {e}") from e

@@ -6,6 +6,8 @@ import json
 
 import typer
 
+from moorage.output import CANNOT_START, fail
+
 app = typer.Typer(help="Development tools.", no_args_is_help=True)
 cluster_app = typer.Typer(
     help="A single-machine Kubernetes cluster running moorage (docs/e2e.md).",
@@ -20,8 +22,7 @@ def _tools() -> object:
     try:
         return Tools.from_env()
     except LookupError as e:
-        typer.echo(f"moorage dev cluster: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail("dev cluster", str(e), CANNOT_START) from None
 
 
 @cluster_app.command("up")
@@ -37,11 +38,10 @@ def up(
     try:
         cluster.up(layout, tools, install=install)  # type: ignore[arg-type]
     except (procs.ClusterError, TimeoutError, RuntimeError) as e:
-        typer.echo(f"moorage dev cluster up: {e}", err=True)
-        typer.echo(
-            "the parts that came up keep running; `moorage dev cluster down` removes them", err=True
-        )
-        raise typer.Exit(1) from None
+        raise fail(
+            "dev cluster up",
+            f"{e}; the parts that came up keep running, `moorage dev cluster down` removes them",
+        ) from None
     typer.echo(
         f"cluster up; kubectl: nsenter --net=/run/netns/moorage-e2e-cp kubectl "
         f"--kubeconfig={layout.admin_kubeconfig} get pods -A"

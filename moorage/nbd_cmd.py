@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import trio
 import typer
 
+from moorage.output import run_service
 from nbd.exports import Export, ExportError, ExportTable, parse_networks
 from nbd.server import (
     NBDServer,
     ServerConfig,
     listeners_from_sockets,
+    open_tcp_listeners,
     open_unix_listener,
     stdio_stream,
     systemd_listen_fds,
@@ -111,15 +114,26 @@ def serve(
     server = NBDServer(table, ServerConfig(tls_context=tls, tls_required=tls_required))
     host, port = parse_listen(listen)
     tune_malloc()
-    try:
-        trio.run(_run, server, host, port, unix, stdio)
-    except OSError as e:
-        typer.echo(f"moorage nbd serve: {e}", err=True)
-        raise typer.Exit(1) from e
+    up = threading.Event()
+    run_service(
+        "nbd serve",
+        _run,
+        server,
+        host,
+        port,
+        unix,
+        stdio,
+        up,
+        expected=(OSError,),
+        started=up.is_set,
+    )
 
 
-async def _run(server: NBDServer, host: str, port: int, unix: Path | None, stdio: bool) -> None:
+async def _run(
+    server: NBDServer, host: str, port: int, unix: Path | None, stdio: bool, up: threading.Event
+) -> None:
     if stdio:
+        up.set()
         await server.handle_stream(stdio_stream())
         return
     activated = systemd_listen_fds()
@@ -132,11 +146,12 @@ async def _run(server: NBDServer, host: str, port: int, unix: Path | None, stdio
             listeners = [await open_unix_listener(str(unix))]
             log.info("listening on unix:%s", unix)
         else:
-            listeners = await trio.open_tcp_listeners(port, host=host or None)
+            listeners = await open_tcp_listeners(host, port)
             for lst in listeners:
                 addr = lst.socket.getsockname()
                 log.info("listening on %s:%d", addr[0], addr[1])
         sys.stdout.flush()
+        up.set()
         await server.serve(listeners)
         nursery.cancel_scope.cancel()
 

@@ -118,7 +118,7 @@ class NBDServer:
         *,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        listeners = await open_tcp_listeners(host, port)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.serve, listeners)
             task_status.started(listeners)
@@ -270,6 +270,16 @@ def systemd_listen_fds() -> list[socket.socket]:
 
 def listeners_from_sockets(socks: Sequence[socket.socket]) -> list[trio.SocketListener]:
     return [trio.SocketListener(trio.socket.from_stdlib_socket(s)) for s in socks]
+
+
+async def open_tcp_listeners(host: str, port: int) -> list[trio.SocketListener]:
+    """trio's listeners on HOST:PORT (every address when ``host`` is empty); when
+    that fails (the port taken, the address not this host's) the error names it."""
+    try:
+        return await trio.open_tcp_listeners(port, host=host or None)
+    except OSError as e:
+        where = f"[{host}]" if ":" in host else (host or "*")
+        raise OSError(e.errno, f"cannot listen on {where}:{port}: {e.strerror or e}") from e
 
 
 async def open_unix_listener(path: str, mode: int = 0o600) -> trio.SocketListener:
