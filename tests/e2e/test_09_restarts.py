@@ -10,7 +10,7 @@ import pytest
 
 from moorage.devcluster import node as nodes
 from moorage.devcluster import procs
-from tests.e2e.conftest import Cluster, Namespace, host_mounts, step
+from tests.e2e.conftest import Cluster, Namespace, busybox_pod, claim, host_mounts, step
 
 WRITER = (
     "i=0; while true; do i=$((i+1)); "
@@ -19,49 +19,12 @@ WRITER = (
 
 
 def _workload() -> list[dict[str, Any]]:
-    claims = [
-        ("block", "moorage-block", "ReadWriteOnce"),
-        ("shared", "moorage-nfs", "ReadWriteMany"),
+    return [
+        claim("block", "moorage-block"),
+        claim("shared", "moorage-nfs", "ReadWriteMany"),
+        # the workload: a counter written to both volumes, 5 times a second
+        busybox_pod("worker", WRITER, {"block": "/block", "shared": "/shared"}),
     ]
-    docs: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": name},
-            "spec": {
-                "accessModes": [mode],
-                "storageClassName": sc,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        }
-        for name, sc, mode in claims
-    ]
-    docs.append(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "worker"},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "app",
-                        "image": "busybox:1.35",
-                        "imagePullPolicy": "IfNotPresent",
-                        # the workload: a counter written to both volumes, 5 times a second
-                        "command": ["/bin/sh", "-c", WRITER],
-                        "volumeMounts": [
-                            {"name": "block", "mountPath": "/block"},
-                            {"name": "shared", "mountPath": "/shared"},
-                        ],
-                    }
-                ],
-                "volumes": [
-                    {"name": n, "persistentVolumeClaim": {"claimName": n}} for n, _, _ in claims
-                ],
-            },
-        }
-    )
-    return docs
 
 
 def _io(ns: Namespace, tag: str) -> None:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from tests.e2e.conftest import Cluster, Namespace, step
+from tests.e2e.conftest import Cluster, Namespace, claim, step
 
 
 def test_claim_deleted_volume_gone(cluster: Cluster, ns: Namespace) -> None:
-    ns.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "doomed"},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "moorage-nfs",
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        }
-    )
-    claim = ns.bound("doomed")
-    pv = claim["spec"]["volumeName"]
+    ns.apply(claim("doomed", "moorage-nfs", "ReadWriteMany"))
+    pv = ns.bound("doomed")["spec"]["volumeName"]
     volume_id = ns.kube.get("pv", pv)["spec"]["csi"]["volumeHandle"].split(":", 1)[1]
     assert any(v["id"] == volume_id for v in cluster.volumes())
     step(f"volume {volume_id} listed by `moorage volume list`")

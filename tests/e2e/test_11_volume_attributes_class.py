@@ -6,7 +6,7 @@ import functools
 import json
 from typing import Any
 
-from tests.e2e.conftest import Namespace, step
+from tests.e2e.conftest import Namespace, claim, step
 
 FIO_IMAGE = "moorage-e2e-fio:3.33"
 LIMIT = 150
@@ -45,17 +45,7 @@ def test_iops_limit_applied_and_lifted(ns: Namespace) -> None:
     try:
         ns.apply(
             [
-                {
-                    "apiVersion": "v1",
-                    "kind": "PersistentVolumeClaim",
-                    "metadata": {"name": "tuned"},
-                    "spec": {
-                        "accessModes": ["ReadWriteOnce"],
-                        "volumeMode": "Block",
-                        "storageClassName": "moorage-block",
-                        "resources": {"requests": {"storage": "1Gi"}},
-                    },
-                },
+                claim("tuned", "moorage-block", block=True),
                 {
                     "apiVersion": "v1",
                     "kind": "Pod",
