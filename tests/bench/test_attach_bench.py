@@ -38,6 +38,13 @@ behind.  The figures are printed as tables with the ratios and the target
 (the loop device at >= 0.5x the direct client for sequential I/O), with the
 load average sampled during the run.  Other load on the machine shows in the
 ratios less than in the absolute figures.
+
+Why this file is long: the docstring above records the method behind the published
+figures, and each of the two benchmarks carries its own harness (fio workloads,
+verification across the two paths and leftover checks for block; a background FUSE NFS
+mount, dd and nfs-cp runs and sha256 checks for NFS) and the code that prints its table.
+They share little beyond the load sampler, the report header and the interleaving, and
+could be two files.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ Nothing here asserts a speed: the test fails only if a run fails or the data
 read back or written is wrong.  The figures are printed as a table with the
 ratios moorage/qemu-nbd and moorage/nbdkit and the targets; see
 docs/performance.md.
+
+Why this file is long: it is one benchmark (a single test) and the rest is its harness:
+the three servers' command lines and settings, the correctness checks run before timing,
+the fio and nbdcopy workloads, the memory sampler and the table of results.
+test_attach_bench.py imports its server helpers.
 """
 
 from __future__ import annotations

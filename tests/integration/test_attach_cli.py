@@ -13,6 +13,11 @@ Three kinds of test:
 
 Every fixture undoes what it made (mounts, devices, processes) whatever the
 test's outcome.
+
+Why this file is long: it takes the four commands through all three kinds of test above,
+and the faked kernel paths and the end-to-end runs each bring their own fixtures (a
+faked kernel nbd or kernel NFS host; an NBD server and loop device, and a module-scoped
+ganesha) with the teardown that undoes what they made.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ pool, free loopback ports) and talks to it through the gRPC API, the admin
 CLI, and the real data-path clients: libnfs's ``nfs-cp``/``nfs-cat``/``nfs-ls``
 (NFSv3 for data, NFSv4 for listing the pseudo root), and ``nbdinfo`` /
 ``qemu-io`` for block volumes.
+
+Why this file is long: each of its nine tests is one long scenario on a daemon of its
+own (a loop pool, ganesha, free ports) that takes one part of the API through the gRPC
+API, the admin CLI and the real NFS and NBD clients, with the node's state checked
+between steps.
 """
 
 from __future__ import annotations

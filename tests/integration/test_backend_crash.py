@@ -25,6 +25,13 @@ failpoints, and checks:
 
 Each case then cleans up (unpublish, delete) on the restarted daemon, so the
 next one starts from a consistent node.
+
+Why this file is long: it is one scenario table for crash tests: a Scenario class per
+operation (create and clone, delete, snapshot, expand, publish, unpublish, modify) says
+what to make, where to crash, and how to check and retry, and every case goes through
+the same invariant checks on the one module-scoped daemon.
+test_every_failpoint_is_crashed_at compares the table with every failpoint in the code,
+so the table stays whole.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ concurrency, limits changed live (proven with fio and an open libnbd
 connection), placement and capacity across two storage nodes with
 different topology segments, a storage node that dies and comes back,
 metrics, and the socket's own life.
+
+Why this file is long: most tests run against one module-scoped storage node and
+controller plugin (``one``), and the metrics test counts the calls the tests before it
+made, so a split would start another storage node and lose that; the two-node tests
+share ``two`` the same way.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ Stage → Publish into two pods → write in one, read in the other → Unpublis
 Unstage → ControllerUnpublish → Delete, the mount table checked at each step.
 Here the block path is the FUSE block file + loop device and the NFS path the
 FUSE NFS mount (this kernel has neither nbd nor an NFS client).
+
+Why this file is long: every test shares one module-scoped site (a real storage node on
+a loop pool and the plugin in ``--mode all``), whose teardown checks that no mount is
+left under its root; each test is a sequence of CSI calls in kubelet's order, every
+request a protobuf message spelled out field by field.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ FUSE process of the test is left (``/proc/mounts``, ``losetup -a``,
 
 ext4 grows offline here: online resize2fs needs CAP_SYS_RESOURCE, which
 this environment drops ("Permission denied to resize filesystem").
+
+Why this file is long: nearly half of it is the harness the tests use (moorage and
+qemu-nbd servers that can be killed and restarted on the same port, the BlockStack
+teardown and its leftover check, the mkfs/fsck/checksum helpers, the Writer thread), and
+each test is a whole filesystem lifecycle: mkfs, write, detach, reattach, fsck, grow, or
+a server restart under a writer.
 """
 
 from __future__ import annotations

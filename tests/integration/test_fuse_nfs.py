@@ -8,6 +8,12 @@ timeouts 0, so what another client changed is seen at once), works in a
 directory of its own, and checks what it did through the mount against the
 exported directory itself.  Teardown unmounts (lazily when busy), reaps the
 mount process, kills what is left, and stops ganesha.
+
+Why this file is long: nearly every test shares one real nfs-ganesha per module, and the
+harness that runs it (a supervisor thread, an export on a tmpfs) and mounts it through
+FUSE and always unmounts takes some 250 lines, which test_attach_cli.py and
+test_attach_bench.py import from here; the tests then go through the file operations one
+by one, each checked against the exported directory.
 """
 
 from __future__ import annotations

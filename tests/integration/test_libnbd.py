@@ -3,6 +3,11 @@ qemu-nbd and nbdkit.
 
 What the bindings report is checked against ``nbdinfo --json`` (libnbd's own tool) for the
 same export, and what they write against the image file behind the server.
+
+Why this file is long: it covers the bindings' whole surface (connecting and queries,
+every I/O command, TLS, the connection pool, memory over 100,000 requests), and most
+tests run on the shared ``peer`` fixture that starts moorage, qemu-nbd or nbdkit; split
+by topic, each file would need that fixture again.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ socket must be in transmission phase, with simple replies only (what the
 kernel driver speaks): a raw NBD_CMD_READ built with ``nbd.codec`` gets a
 simple reply and the image's bytes.  Scripted peers on a socketpair cover what
 the real servers never do (no NBD_OPT_GO, bad magic).
+
+Why this file is long: it puts the one client handshake in front of three kinds of peer
+(moorage's server and qemu-nbd checked against nbdinfo, a TLS-only server with a trustme
+CA, and scripted peers, each a small server written inline), and the later sections
+reuse the first one's Peer, patterned image and raw socket helpers.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ Every test starts ``moorage nbd serve`` on a loopback port (the ``nbd_servers``
 fixture) and drives it with the Debian client tools.  Where a client could
 hide what went over the wire (qemu emulating a command the server lacks, say),
 qemu's ``nbd_send_request`` trace shows which request the server really got.
+
+Why this file is long: driving each real client takes its own helpers (qemu-io's request
+trace parsed, an interactive qemu-io session kept across commands, a raw client for what
+the tools refuse to send, readers of the image's allocation map), which test_libnbd.py,
+test_nbd_durability.py and test_nbd_tls.py import from here; one qemu-io test walks a
+table of steps, each with the request the server must receive.
 """
 
 from __future__ import annotations

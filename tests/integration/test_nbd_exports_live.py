@@ -1,5 +1,11 @@
 """Exports that come and go while serving, client networks, shutdown, stdio and
-socket activation."""
+socket activation.
+
+Why this file is long: most tests are one scenario walked message by message with the
+wire client (the table changed under connected and still-negotiating clients, a shutdown
+with requests in flight, a server on stdio or behind socket activation), checked after
+every step. The three sections share only the image helpers and could be separate files.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,12 @@
 
 Every test checks the answer the protocol prescribes, and that a second,
 well-behaved client is served correctly afterwards.
+
+Why this file is long: it walks the protocol's malformed and edge-case inputs phase by
+phase (handshake options, truncated messages, transmission requests, structured replies
+and block status, pipelining), much of it as parametrized tables, and all tests but one
+use the same in-process server over a data-and-hole image (``env``) and its check that
+another client is still served.
 """
 
 from __future__ import annotations

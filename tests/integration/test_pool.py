@@ -6,6 +6,12 @@ whatever filesystem /tmp is on).  Every fixture unmounts everything under
 its directory, thaws what a failed test left frozen and detaches the loop
 devices, also when the test fails; the checks for leftovers read
 /proc/self/mountinfo and ``losetup`` directly, not through the code under test.
+
+Why this file is long: it tests every operation of ``backend.pool`` on real loop devices
+(block images, filesystem volumes, snapshots, clones, deletion, accounting, the
+loop-backed pool), many cases on both the xfs and the ext4 pool, most of them on the
+same two pool fixtures and with the same readers of mountinfo and losetup that find
+leftovers.
 """
 
 from __future__ import annotations
