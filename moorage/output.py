@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 import typer
+from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 OK = 0
@@ -115,11 +116,16 @@ def _metavar(option: TyperOption) -> str:
 
 def tidy_help(command: Any) -> Any:
     """Help as people read it elsewhere: ``--size SIZE``, a flag alone, ``NAME`` for an
-    argument, instead of Typer's ``<str>``/``<bool>`` beside every parameter.
+    argument, instead of Typer's ``<str>``/``<bool>`` beside every parameter; and
+    brackets in help texts shown as written, not taken for rich's markup.
 
     Applied to the whole command tree once it is built; returns ``command``.
     """
+    if command.help:
+        command.help = escape(command.help)
     for param in command.params:
+        if getattr(param, "help", None):
+            param.help = escape(param.help)  # "[default: ...]" in a help is text, not markup
         if isinstance(param, TyperOption) and param.metavar is None:
             param.metavar = "" if param.is_flag else _metavar(param)
         elif isinstance(param, TyperArgument) and not isinstance(param, _Argument):

@@ -59,6 +59,16 @@ def test_an_argument_is_shown_by_its_name_in_the_usage_line(
     assert "{name}" not in text
 
 
+def test_brackets_in_a_help_text_are_shown_as_written(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    serve = help_of(("backend", "serve"), capsys)
+    assert "unix:PATH [unix:DATA_DIR/backend.sock] or HOST:PORT" in serve
+    plugin = help_of(("csi", "serve"), capsys)
+    assert "see this node as [the configuration's node.address]" in plugin
+
+
 class _Refused(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self._code, self._details = code, details
