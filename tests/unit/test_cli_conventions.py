@@ -16,6 +16,7 @@ import typer
 from moorage.admin_cmd import unreachable
 from moorage.cli import command
 from moorage.output import CANNOT_START, FAILED, first_line, leaves, run_service
+from tests.unit.test_csi_pieces import FakeRpcError
 
 TYPE_NOISE = re.compile(r"<(str|bool|int|float|path|list\[[a-z]+\]|[a-z]+\|[a-z|]+)>")
 
@@ -69,19 +70,8 @@ def test_brackets_in_a_help_text_are_shown_as_written(
     assert "see this node as [the configuration's node.address]" in plugin
 
 
-class _Refused(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 def test_nothing_answering_is_told_with_the_address_and_how_to_start_one() -> None:
-    gone = _Refused(
+    gone = FakeRpcError(
         grpc.StatusCode.UNAVAILABLE,
         "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
         "Failed to connect to remote host: Connection refused",
@@ -93,9 +83,9 @@ def test_nothing_answering_is_told_with_the_address_and_how_to_start_one() -> No
 
 
 def test_a_storage_node_that_answers_unavailable_is_not_called_unreachable() -> None:
-    busy = _Refused(grpc.StatusCode.UNAVAILABLE, "storage node sn-b does not answer")
+    busy = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "storage node sn-b does not answer")
     assert unreachable("127.0.0.1:9", busy) is None
-    refused = _Refused(grpc.StatusCode.NOT_FOUND, "failed to connect to all addresses")
+    refused = FakeRpcError(grpc.StatusCode.NOT_FOUND, "failed to connect to all addresses")
     assert unreachable("127.0.0.1:9", refused) is None
 
 
