@@ -15,9 +15,10 @@ from typing import Protocol
 
 from sqlalchemy.orm import Session
 
+from backend import validation
 from backend.catalog.db import publications_of
 from backend.catalog.models import Publication, PublicationState, Volume, VolumeType
-from backend.errors import FailedPrecondition
+from backend.errors import FailedPrecondition, InvalidArgument
 from backend.ganesha.config import ExportConfig
 from backend.pool import Pool
 from nbd.exports import Export
@@ -48,6 +49,30 @@ def nfs_pseudo_path(volume: Volume) -> str:
     return f"/volumes/{volume.name}"
 
 
+def publication_problem(p: Publication) -> str | None:
+    """Why a publication row cannot be exported (None: it can).
+
+    Every row written today passed these checks before it was recorded; a row
+    an older version wrote may not, and is then left out of the exports (never
+    rendered, never a reason to refuse a start) until it is unpublished.
+    """
+    try:
+        validation.node_id(p.node_id)
+        validation.node_address(p.node_address)
+    except InvalidArgument as e:
+        return str(e)
+    return None
+
+
+def exportable(pubs: Sequence[Publication]) -> list[Publication]:
+    """The publications that lead to an export: not being withdrawn, and valid."""
+    return [
+        p
+        for p in pubs
+        if p.state != PublicationState.UNPUBLISHING and publication_problem(p) is None
+    ]
+
+
 def nfs_export_id(v: Volume) -> int:
     if v.nfs_export_id is None:
         raise FailedPrecondition(f"volume {v.id} has no NFS export id")
@@ -63,7 +88,7 @@ class Exports:
     nbd_tls: bool
 
     def nfs_config(self, v: Volume, pubs: Sequence[Publication]) -> ExportConfig:
-        live = [p for p in pubs if p.state != PublicationState.UNPUBLISHING]
+        live = exportable(pubs)
         return ExportConfig(
             export_id=nfs_export_id(v),
             path=self.pool.export_dir(v.id),
@@ -85,16 +110,14 @@ class Exports:
                 iops_limit=int((v.parameters or {}).get("iops_limit", 0)),
                 bandwidth_limit=int((v.parameters or {}).get("bandwidth_limit", 0)),
             )
-            for p in pubs
-            if p.state != PublicationState.UNPUBLISHING
+            for p in exportable(pubs)
         ]
 
     def apply(self, s: Session, v: Volume) -> None:
         """Make the exporter match the catalog for one volume (idempotent)."""
         pubs = publications_of(s, v.id)
         if v.type == VolumeType.NFS:
-            live = [p for p in pubs if p.state != PublicationState.UNPUBLISHING]
-            if live:
+            if exportable(pubs):
                 self.exporter.set_nfs_export(self.nfs_config(v, pubs))
             elif v.nfs_export_id is not None:
                 self.exporter.remove_nfs_export(v.nfs_export_id)

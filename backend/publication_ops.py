@@ -21,11 +21,12 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import AlreadyExists, FailedPrecondition, NotFound
+from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from backend.exporting import nbd_export_name, nfs_pseudo_path
 from backend.failpoints import failpoint
 from backend.operation import Intent, Operations
 from backend.views import NbdTargetInfo, NfsTargetInfo
+from nbd.exports import ExportError
 
 log = logging.getLogger("moorage.backend")
 
@@ -42,7 +43,12 @@ class PublicationOperations(Operations):
     ) -> NfsTargetInfo | NbdTargetInfo:
         """Make the volume reachable by one node.  ``single_node``: refuse when
         another node holds a publication (decided under the catalog lock, so two
-        callers racing for two nodes cannot both win)."""
+        callers racing for two nodes cannot both win).
+
+        Validate, then record, then act: everything the exports will be made
+        of is checked before the row is written, and a row whose exports then
+        cannot be applied is withdrawn again, so a refused publish leaves no trace.
+        """
         vol_id = validation.object_id(volume_id, "volume id")
         node = validation.node_id(node_id)
         address = validation.node_address(node_address)
@@ -81,20 +87,53 @@ class PublicationOperations(Operations):
                         raise FailedPrecondition(
                             f"block volume {vol_id} is already published read-write to {writers[0]}"
                         )
-                s.add(
-                    Publication(
-                        volume_id=vol_id,
-                        node_id=node,
-                        node_address=address,
-                        read_only=read_only,
-                        multi_writer=multi_writer,
-                        state=PublicationState.PUBLISHING,
-                    )
+                new = Publication(
+                    volume_id=vol_id,
+                    node_id=node,
+                    node_address=address,
+                    read_only=read_only,
+                    multi_writer=multi_writer,
+                    state=PublicationState.PUBLISHING,
                 )
+                self._check_exports(v, [*publications_of(s, vol_id), new])
+                s.add(new)
                 record_operation(s, OperationKind.PUBLISH, vol_id, {"node": node})
+                return Intent(self._target(v, node), lambda: self._finish_new_publish(vol_id, node))
             return Intent(self._target(v, node), lambda: self.finish_publish(vol_id, node))
 
         return self._operation([vol_id], decide, failpoint_at="publish.intent")
+
+    def _check_exports(self, v: Volume, pubs: list[Publication]) -> None:
+        """Render what the exports of ``v`` would be with ``pubs``, recording nothing:
+        what ganesha's model or the NBD export table would refuse is refused now."""
+        try:
+            if v.type == VolumeType.NFS:
+                self.exports.nfs_config(v, pubs)
+            else:
+                self.exports.nbd_exports(v, pubs)
+        except ExportError as e:
+            raise InvalidArgument(f"volume {v.id} cannot be exported so: {e}") from None
+
+    def _finish_new_publish(self, vol_id: str, node: str) -> None:
+        """Finish a publication this call recorded; if its exports cannot be
+        applied, withdraw the row (and its journal entry) and re-raise."""
+        try:
+            self.finish_publish(vol_id, node)
+        except Exception as e:
+            self._withdraw_publish(vol_id, node, e)
+            raise
+
+    def _withdraw_publish(self, vol_id: str, node: str, error: Exception) -> None:
+        log.error("publishing volume %s to %r failed, withdrawn: %s", vol_id, node, error)
+        with self.catalog.session() as s:
+            pub = get_publication(s, vol_id, node)
+            if pub is not None and pub.state == PublicationState.PUBLISHING:
+                s.delete(pub)
+            self._close_journal(s, vol_id, OperationKind.PUBLISH, error=str(error)[:500])
+        try:  # take back whatever part of the exports was applied
+            self.apply_exports(vol_id)
+        except Exception:
+            log.exception("volume %s: re-applying its exports after the withdrawal failed", vol_id)
 
     def finish_publish(self, vol_id: str, node: str) -> None:
         self.apply_exports(vol_id)
@@ -122,11 +161,19 @@ class PublicationOperations(Operations):
 
     def unpublish_volume(self, volume_id: str, node_id: str) -> None:
         vol_id = validation.object_id(volume_id, "volume id")
-        node = validation.node_id(node_id)
+        refused: InvalidArgument | None = None
+        try:
+            node = validation.node_id(node_id)
+        except InvalidArgument as e:
+            # A row an older version recorded under a node id today's rules
+            # refuse can still be removed, by exactly that id.
+            node, refused = node_id, e
 
         def decide(s: Session) -> Intent[None]:
             pub = get_publication(s, vol_id, node)
             if pub is None:
+                if refused is not None:
+                    raise refused
                 return Intent(None)  # not published there: nothing to undo
             if pub.state != PublicationState.UNPUBLISHING:
                 pub.state = PublicationState.UNPUBLISHING
@@ -143,4 +190,4 @@ class PublicationOperations(Operations):
             if pub is not None:
                 s.delete(pub)
             self._close_journal(s, vol_id, OperationKind.UNPUBLISH)
-        log.info("volume %s unpublished from %s", vol_id, node)
+        log.info("volume %s unpublished from %r", vol_id, node)

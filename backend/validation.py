@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
+from collections.abc import Iterable
 
 from backend.errors import InvalidArgument
+from nbd.addresses import AddressError
+from nbd.addresses import node_address as _node_address
 
 MIB = 1024 * 1024
 MIN_SIZE = MIB
 MAX_SIZE = 64 * 1024**4  # 64 TiB
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_ID = re.compile(r"^[0-9a-f]{32}$")
+# Always matched whole (``fullmatch``): ``$`` would let a trailing newline through.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ID = re.compile(r"[0-9a-f]{32}")
 
 FS_TYPES = ("xfs", "ext4")
 SQUASH = ("root_squash", "no_root_squash", "all_squash")
@@ -24,24 +27,41 @@ MUTABLE = {"nbd": NBD_PARAMETERS, "nfs": {"squash"}}
 MAX_LIMIT = 10**12
 
 MAX_LABELS = 32
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,252}")
 MAX_LABEL_VALUE = 512
+# What a message shows of one value a caller sent, and how many of a list:
+# an error echoing a huge input whole would not even fit in gRPC's metadata.
+SHOWN = 80
+SHOWN_KEYS = 4
+
+
+def shown(value: str, limit: int = SHOWN) -> str:
+    """``value`` quoted for a message, cut to ``limit`` characters."""
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
+
+
+def _keys(keys: Iterable[str]) -> str:
+    """A few of ``keys`` for a message, each cut short, and how many more there are."""
+    ordered = sorted(keys)
+    listed = ", ".join(shown(k, 40) for k in ordered[:SHOWN_KEYS])
+    more = len(ordered) - SHOWN_KEYS
+    return f"[{listed}{f', and {more} more' if more > 0 else ''}]"
 
 
 def volume_name(name: str, what: str = "volume name") -> str:
     if not name:
         raise InvalidArgument(f"{what} is empty")
-    if not _NAME.match(name) or ".." in name:
+    if not _NAME.fullmatch(name) or ".." in name:
         raise InvalidArgument(
-            f"{what} {name[:80]!r} is invalid: 1-128 characters of letters, digits, '.', '_' "
+            f"{what} {shown(name)} is invalid: 1-128 characters of letters, digits, '.', '_' "
             "and '-', starting with a letter or digit, without '..'"
         )
     return name
 
 
 def object_id(value: str, what: str = "id") -> str:
-    if not _ID.match(value):
-        raise InvalidArgument(f"{what} {value[:80]!r} is not a moorage id (32 hex digits)")
+    if not _ID.fullmatch(value):
+        raise InvalidArgument(f"{what} {shown(value)} is not a moorage id (32 hex digits)")
     return value
 
 
@@ -55,16 +75,21 @@ def size(value: int) -> int:
 
 
 def node_id(value: str) -> str:
-    if not value or not _NODE_ID.match(value) or ".." in value:
-        raise InvalidArgument(f"node id {value[:80]!r} is invalid")
+    if not value or not _NODE_ID.fullmatch(value) or ".." in value:
+        raise InvalidArgument(
+            f"node id {shown(value)} is invalid: 1-128 characters of letters, digits, '.', '_' "
+            "and '-', starting with a letter or digit, without '..'"
+        )
     return value
 
 
 def node_address(value: str) -> str:
+    """One node's IP address, canonical; the rule ganesha's model and the NBD
+    export allow list apply too (``nbd/addresses.py``)."""
     try:
-        return str(ipaddress.ip_address(value))
-    except ValueError as e:
-        raise InvalidArgument(f"node address {value[:80]!r} is not an IP address") from e
+        return _node_address(value)
+    except AddressError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def _limit(key: str, value: str) -> str:
@@ -81,14 +106,14 @@ def parameters(kind: str, params: dict[str, str]) -> dict[str, str]:
         unknown = set(params) - NBD_PARAMETERS
         if unknown:
             raise InvalidArgument(
-                f"unknown parameters {sorted(unknown)} for an nbd volume; "
+                f"unknown parameters {_keys(unknown)} for an nbd volume; "
                 f"known: {sorted(NBD_PARAMETERS)}"
             )
         return {k: _limit(k, v) for k, v in sorted(params.items())}
     unknown = set(params) - NFS_PARAMETERS
     if unknown:
         raise InvalidArgument(
-            f"unknown parameters {sorted(unknown)}; known: {sorted(NFS_PARAMETERS)}"
+            f"unknown parameters {_keys(unknown)}; known: {sorted(NFS_PARAMETERS)}"
         )
     fs = params.get("fs_type", "xfs")
     if fs not in FS_TYPES:
@@ -106,7 +131,7 @@ def mutable_parameters(kind: str, params: dict[str, str]) -> dict[str, str]:
     fixed = set(params) - MUTABLE[kind]
     if fixed:
         raise InvalidArgument(
-            f"parameters {sorted(fixed)} of an {kind} volume cannot be changed; "
+            f"parameters {_keys(fixed)} of an {kind} volume cannot be changed; "
             f"mutable: {sorted(MUTABLE[kind])}"
         )
     if kind == "nbd":
@@ -121,12 +146,13 @@ def labels(values: dict[str, str]) -> dict[str, str]:
     if len(values) > MAX_LABELS:
         raise InvalidArgument(f"at most {MAX_LABELS} labels, got {len(values)}")
     for key, value in values.items():
-        if not _LABEL_KEY.match(key):
+        if not _LABEL_KEY.fullmatch(key):
             raise InvalidArgument(
-                f"label key {key[:80]!r} is invalid: up to 253 letters, digits, '.', '_', '/', '-'"
+                f"label key {shown(key)} is invalid: up to 253 letters, digits, '.', '_', '/', '-'"
             )
         if len(value) > MAX_LABEL_VALUE or not value.isprintable():
             raise InvalidArgument(
-                f"label {key}: value must be printable and at most {MAX_LABEL_VALUE} characters"
+                f"label {shown(key)}: value must be printable and at most "
+                f"{MAX_LABEL_VALUE} characters"
             )
     return dict(sorted(values.items()))

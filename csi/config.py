@@ -26,7 +26,6 @@ the field and what it should be, and the plugin does not start.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -34,15 +33,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbd.addresses import AddressError
+from nbd.addresses import node_address as check_node_address
+
 TOPOLOGY_PREFIX = "topology.csi.moorage.dev/"
 NODE_TOPOLOGY_KEY = TOPOLOGY_PREFIX + "node"
 
 # A storage node's name is part of every volume id it holds: a DNS label.
-_STORAGE_NODE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_STORAGE_NODE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # Topology keys and values as Kubernetes takes them for node labels.
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
-_LABEL_PREFIX = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 _UNIX = "unix:"
 
 
@@ -79,7 +81,7 @@ class PluginConfig:
 
 def topology_key(key: str, where: str) -> str:
     prefix, slash, name = key.rpartition("/")
-    if not slash or not _LABEL_PREFIX.match(prefix) or not _LABEL_NAME.match(name):
+    if not slash or not _LABEL_PREFIX.fullmatch(prefix) or not _LABEL_NAME.fullmatch(name):
         raise ConfigError(
             f"{where}: topology key {key[:80]!r} is not a label key of the form "
             "PREFIX/NAME (e.g. topology.csi.moorage.dev/zone)"
@@ -95,7 +97,7 @@ def _topology(value: object, where: str) -> dict[str, str]:
         topology_key(key, where)
         if key == NODE_TOPOLOGY_KEY:
             raise ConfigError(f"{where}: {NODE_TOPOLOGY_KEY} is set by the plugin itself")
-        if not isinstance(val, str) or not _LABEL_VALUE.match(val):
+        if not isinstance(val, str) or not _LABEL_VALUE.fullmatch(val):
             raise ConfigError(
                 f"{where}: value of {key} must be a label value (up to 63 letters, digits, "
                 "'.', '_', '-', starting and ending with a letter or digit)"
@@ -149,7 +151,7 @@ def _storage_node(table: object, index: int) -> StorageNodeConfig:
         raise ConfigError(f"{where}: must be a table")
     t = dict(table)
     name = _take(t, "name", str, where, required=True)
-    if not _STORAGE_NODE.match(name):
+    if not _STORAGE_NODE.fullmatch(name):
         raise ConfigError(
             f"{where}: name {name[:80]!r} must be a DNS label (1-63 lowercase letters, "
             "digits and '-')"
@@ -188,17 +190,19 @@ def _node(table: object) -> NodeConfig:
     t = dict(table)
     address = _take(t, "address", str, where)
     if address is not None:
-        address = node_address(address, where)
+        address = node_address(address, f"{where}.address")
     topology = _topology(t.pop("topology", {}), f"{where} topology")
     _no_more(t, where, "address, topology")
     return NodeConfig(address=address, topology=topology)
 
 
 def node_address(value: str, where: str = "node address") -> str:
+    """The address storage nodes see this node as: the rule the storage node
+    applies to it too (``nbd/addresses.py``), so a publication never fails on it."""
     try:
-        return str(ipaddress.ip_address(value))
-    except ValueError as e:
-        raise ConfigError(f"{where}: {value[:80]!r} is not an IP address") from e
+        return check_node_address(value, where)
+    except AddressError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_config(data: Mapping[str, Any]) -> PluginConfig:

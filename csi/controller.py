@@ -31,7 +31,7 @@ from csi.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from csi.ids import ObjectRef, parse_node_id, parse_object_id
+from csi.ids import ObjectRef, address_problem, parse_node_id, parse_object_id
 from csi.locks import OperationLocks
 from csi.paging import paginate
 from csi.proto import csi_pb2 as pb
@@ -302,6 +302,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                 f"node {node_id[:140]!r} is unknown: a moorage node id is NAME@ADDRESS, as the "
                 "node plugin reports it in NodeGetInfo"
             )
+        problem = address_problem(node)
+        if problem is not None:
+            raise InvalidArgument(f"node {node_id[:140]!r} cannot be published to: {problem}")
         with self.locks.hold(str(ref)):
             reason = capabilities.unsupported(self._kind(ref, request.secrets), [cap])
             if reason is not None:

@@ -38,7 +38,7 @@ from csi.requests import MIB, requested_size
 from csi.storagenodes import StorageNodes
 
 KEYS = ("type", "size", "fsType", "nfsFsType", "storageNode", *parameters.MUTABLE)
-_SIZE = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+_SIZE = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": MIB, "Gi": 1 << 30, "Ti": 1 << 40}
 KUBERNETES_PREFIX = "csi.storage.k8s.io/"
 
@@ -64,7 +64,7 @@ def parse(attributes: Mapping[str, str]) -> EphemeralSpec:
             f"unknown volume attribute {unknown[0][:80]!r} for an ephemeral volume; "
             f"known: {', '.join(KEYS)}"
         )
-    m = _SIZE.match(ours.get("size", "1Gi").strip())
+    m = _SIZE.fullmatch(ours.get("size", "1Gi").strip())
     if not m:
         raise InvalidArgument(f"size {ours['size'][:40]!r} is not a number of bytes (Ki..Ti)")
     size, _ = requested_size(pb.CapacityRange(required_bytes=int(m[1]) * _UNITS[m[2]]))

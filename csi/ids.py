@@ -20,10 +20,14 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from nbd.addresses import AddressError
+from nbd.addresses import node_address as check_node_address
+
 MAX_ID_BYTES = 128  # the spec's recommended maximum for ids Kubernetes stores
 
-_OBJECT = re.compile(r"^([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?):([0-9a-f]{32})$")
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Matched whole (``fullmatch``): ``$`` would let a trailing newline through.
+_OBJECT = re.compile(r"([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?):([0-9a-f]{32})")
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class ObjectRef:
 
 
 def parse_object_id(value: str) -> ObjectRef | None:
-    m = _OBJECT.match(value)
+    m = _OBJECT.fullmatch(value)
     return ObjectRef(m.group(1), m.group(2)) if m else None
 
 
@@ -53,13 +57,24 @@ class NodeRef:
 
 def parse_node_id(value: str) -> NodeRef | None:
     name, at, address = value.rpartition("@")
-    if not at or not _NODE_NAME.match(name) or ".." in name:
+    if not at or not _NODE_NAME.fullmatch(name) or ".." in name:
         return None
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return None
     return NodeRef(name, str(ip))
+
+
+def address_problem(node: NodeRef) -> str | None:
+    """Why a storage node would refuse the node's address (the one rule of
+    ``nbd/addresses.py``: no unspecified, broadcast, multicast or IPv4-mapped
+    address), or None.  Checked before any storage node records anything."""
+    try:
+        check_node_address(node.address, "its address")
+    except AddressError as e:
+        return str(e)
+    return None
 
 
 def node_id(name: str, address: str) -> str:

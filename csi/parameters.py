@@ -55,7 +55,7 @@ BACKEND_KEYS = {
     "nfs": {"squash": "squash"},
 }
 
-_SIZE = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+_SIZE = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 
 
@@ -78,7 +78,7 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def _limit(key: str, value: str) -> str:
-    m = _SIZE.match(value.strip())
+    m = _SIZE.fullmatch(value.strip())
     if not m:
         raise InvalidArgument(
             f"parameter {key}: {value[:40]!r} is not a whole number (Ki, Mi, Gi, Ti allowed)"

@@ -15,7 +15,7 @@ DEFAULT_SIZE = GIB
 MIN_SIZE = MIB
 MAX_SIZE = 64 << 40  # the storage node's own maximum
 MAX_NAME_BYTES = 256
-_BACKEND_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def backend_name(name: str, what: str = "name") -> str:
@@ -25,7 +25,7 @@ def backend_name(name: str, what: str = "name") -> str:
         raise InvalidArgument(f"{what} is empty")
     if len(name.encode()) > MAX_NAME_BYTES:
         raise InvalidArgument(f"{what} is longer than {MAX_NAME_BYTES} bytes")
-    if _BACKEND_NAME.match(name) and ".." not in name:
+    if _BACKEND_NAME.fullmatch(name) and ".." not in name:
         return name
     return "csi-" + hashlib.sha256(name.encode()).hexdigest()[:60]
 

@@ -83,8 +83,38 @@ def _subject(request: Any) -> str:
     return ""
 
 
+class _Undecodable:
+    """Stands for a request whose bytes are not the method's request message."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _tolerant(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The handler's deserializer, answering :class:`_Undecodable` instead of
+    raising (grpc would answer INTERNAL and log a traceback per request)."""
+    if parse is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception:
+            return _Undecodable(len(data))
+
+    return deserialize
+
+
+# The most of a status message a caller gets (grpc carries it in metadata).
+MAX_DETAILS = 1000
+
+
 class CallObserver(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Errors to statuses, one log line and one histogram sample per call."""
+    """Errors to statuses, one log line and one histogram sample per call.
+
+    Request bytes that do not parse as the method's message answer
+    INVALID_ARGUMENT, with one log line.
+    """
 
     def __init__(self, histogram: Histogram) -> None:
         self.histogram = histogram
@@ -106,7 +136,11 @@ class CallObserver(grpc.ServerInterceptor):  # type: ignore[type-arg]
             code = grpc.StatusCode.OK
             message = ""
             try:
-                return inner(request, context)
+                if isinstance(request, _Undecodable):  # logged below, once
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    message = f"the request ({request.size} bytes) is not a valid {short} message"
+                else:
+                    return inner(request, context)
             except CsiError as e:
                 code, message = e.code, e.message
             except NotImplementedError:  # a generated servicer's method we did not build
@@ -115,6 +149,8 @@ class CallObserver(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 log.exception("%s failed unexpectedly", short)
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {e}"
             finally:
+                if len(message) > MAX_DETAILS:
+                    message = message[: MAX_DETAILS - 3] + "..."
                 elapsed = time.monotonic() - start
                 self.histogram.labels(DRIVER_NAME, method, code.name).observe(elapsed)
                 level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
@@ -131,7 +167,7 @@ class CallObserver(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         return grpc.unary_unary_rpc_method_handler(
             observed,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 

@@ -25,7 +25,7 @@ log = logging.getLogger("moorage.fuse")
 
 ENV: Final = "MOORAGE_FUSE_CGROUP"
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # module level so tests can point elsewhere
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class CgroupError(ValueError):
@@ -33,7 +33,7 @@ class CgroupError(ValueError):
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise CgroupError(f"{ENV}={name[:80]!r} is not a cgroup name ([A-Za-z0-9_.-], 64 at most)")
     return name
 

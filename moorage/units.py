@@ -6,11 +6,11 @@ import re
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 # binary multiples whatever the spelling: 10G, 10GB, 10GiB and Kubernetes' 10Gi
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(?:iB|i|B)?|B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(?:iB|i|B)?|B)?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 10G, 1TiB)")
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]

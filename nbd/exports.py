@@ -24,7 +24,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Export names appear in logs, URIs and file names of the storage node: keep
 # them to a conservative alphabet.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,254}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,254}")
 
 
 class ExportError(ValueError):
@@ -61,7 +61,7 @@ class Export:
     bandwidth_limit: int = 0
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ExportError(
                 f"invalid export name {self.name!r}: 1-255 characters of "
                 "letters, digits and ._:@+- starting with a letter or digit"

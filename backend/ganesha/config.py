@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Final, Literal, get_args
 
 from backend.errors import InvalidArgument
+from nbd.addresses import AddressError, node_address
 
 Access = Literal["RW", "RO"]
 Squash = Literal["root_squash", "no_root_squash", "all_squash"]
@@ -73,24 +74,27 @@ def safe_path(value: Path | str, what: str) -> Path:
 def client_address(value: str) -> str:
     """One client: an IPv4/IPv6 address or network, in its canonical form.
 
-    ``0.0.0.0`` and ``::`` are refused: ganesha reads a bare ``0.0.0.0`` as
-    "every client", which nobody writing an address means.  Zone ids
-    (``fe80::1%eth0``) are refused too.
+    An address must pass the rule every layer applies to a node's address
+    (``nbd/addresses.py``, also behind ``backend.validation.node_address``):
+    ``0.0.0.0`` and ``::`` are refused (ganesha reads a bare ``0.0.0.0`` as
+    "every client", which nobody writing an address means), and so are zone
+    ids (``fe80::1%eth0``), IPv4-mapped, broadcast and multicast addresses.
     """
     if not isinstance(value, str):
         raise InvalidArgument(f"client must be a string, not {type(value).__name__}")
+    if "/" not in value:
+        try:
+            return node_address(value, "client")
+        except AddressError as e:
+            raise InvalidArgument(str(e)) from None
+    shown = repr(value[:80])
     if not value.isascii() or not re.fullmatch(r"[0-9A-Fa-f:./]+", value):
-        raise InvalidArgument(f"client must be an IP address or CIDR network: {value!r}")
+        raise InvalidArgument(f"client must be an IP address or CIDR network: {shown}")
     try:
-        if "/" in value:
-            network = ipaddress.ip_network(value, strict=True)
-            return network.with_prefixlen
-        address = ipaddress.ip_address(value)
+        network = ipaddress.ip_network(value, strict=True)
     except ValueError as e:
-        raise InvalidArgument(f"client is not a valid IP address or network: {value!r}") from e
-    if address.is_unspecified:
-        raise InvalidArgument(f"client {value!r} is the unspecified address, not a client")
-    return str(address)
+        raise InvalidArgument(f"client is not a valid IP address or network: {shown}") from e
+    return network.with_prefixlen
 
 
 def _int(value: object, what: str, low: int, high: int) -> int:

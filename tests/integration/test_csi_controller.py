@@ -15,6 +15,7 @@ share ``two`` the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import threading
@@ -609,3 +610,43 @@ def test_credentials_in_request_secrets_win_and_are_never_logged(tmp_path: Path)
             csi.channel.close()
             csi.plugin.stop()
         node.teardown()
+
+
+# ------------------------------------------------------- bad input (issue 17)
+
+
+def test_a_node_id_with_a_refused_address_is_invalid_and_records_nothing(one: OneNode) -> None:
+    """``n@0.0.0.0`` and the other addresses no storage node accepts: refused
+    before the storage node is asked, nothing recorded; bytes that are no
+    request message are INVALID_ARGUMENT too, in one log line."""
+    stub = one.csi.stub
+    volumes = [
+        one.csi.create("bad-node-nbd"),
+        one.csi.create("bad-node-nfs", {"type": "nfs"}, size=64 * MIB),
+    ]
+    for vol in volumes:
+        for address in ("0.0.0.0", "::", "::ffff:10.77.0.12", "255.255.255.255", "224.0.0.1"):
+            req = pb.ControllerPublishVolumeRequest(
+                volume_id=vol.volume_id, node_id=f"n@{address}", volume_capability=mount_cap()
+            )
+            code = code_of(functools.partial(stub.ControllerPublishVolume, req, timeout=60))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, address
+        with one.node.client() as c:
+            assert list(c.get_volume(volume_id=vol.volume_id.split(":")[1]).publications) == []
+        # the volume is free: published to a good node, unpublished, deleted
+        good = pb.ControllerPublishVolumeRequest(
+            volume_id=vol.volume_id, node_id=NODE_A, volume_capability=mount_cap()
+        )
+        stub.ControllerPublishVolume(good, timeout=60)
+        stub.ControllerUnpublishVolume(
+            pb.ControllerUnpublishVolumeRequest(volume_id=vol.volume_id, node_id=NODE_A)
+        )
+        stub.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vol.volume_id))
+
+    garbage = one.csi.channel.unary_unary(
+        "/csi.v1.Controller/CreateVolume", request_serializer=bytes, response_deserializer=bytes
+    )
+    assert code_of(lambda: garbage(b"\xff" * 5555, timeout=60)) == grpc.StatusCode.INVALID_ARGUMENT
+    log = one.csi.plugin.log_text()
+    assert sum("(5555 bytes)" in line for line in log.splitlines()) == 1, log[-3000:]
+    assert "Exception deserializing request" not in log

@@ -74,3 +74,15 @@ def test_bad_registration_and_health_options_stop_the_plugin_in_one_line(
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "csi.sock").exists()
     assert not (tmp_path / "registry").exists()
+
+
+def test_the_node_plugin_refuses_an_address_no_storage_node_accepts(tmp_path: Path) -> None:
+    """The rule the storage node applies to a node's address (issue 17):
+    checked at start, not when the first publish fails."""
+    for address in ("0.0.0.0", "::", "fe80::1%eth0", "::ffff:10.77.0.12", "255.255.255.255"):
+        args = ["--mode", "node", "--node-id", "n1", "--node-address", address]
+        result = serve(tmp_path, *args)
+        assert result.returncode == 2, (address, result)
+        assert result.stderr.startswith("moorage csi: --node-address "), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not (tmp_path / "csi.sock").exists()
