@@ -6,6 +6,11 @@ already there; a crash leaves at most temporary files (their names hold
 :data:`TEMP_MARK`).  Copies are reflinks (FICLONE) where the filesystem
 shares extents, otherwise sparse: only the data extents (SEEK_DATA /
 SEEK_HOLE) are copied, so holes stay holes.
+
+An image can also be given real blocks up front (:func:`allocate`,
+fallocate mode 0): what an nfs volume's loop-mounted filesystem writes then
+never needs space the pool may no longer have.  Running out of pool space
+here is :class:`~backend.errors.ResourceExhausted`, never a bare ENOSPC.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import os
 import secrets
 from pathlib import Path
 
-from backend.errors import AlreadyExists
+from backend.errors import AlreadyExists, ResourceExhausted
 
 MiB = 1 << 20
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 TEMP_MARK = ".tmp-"
 NO_REFLINK = {errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS}
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def _clone_or_copy(src_fd: int, dst_fd: int) -> bool:
@@ -98,13 +104,78 @@ def make_sparse_file(path: Path, size: int, mode: int) -> None:
 
 
 def copy_into(src: Path, temp: Path) -> bool:
-    """Reflink or sparse-copy ``src`` into a new file ``temp``; True if reflinked."""
+    """Reflink or sparse-copy ``src`` into a new file ``temp``; True if reflinked.
+
+    A pool too full for the copy is ResourceExhausted (``temp`` is the caller's to remove).
+    """
     src_fd = os.open(src, os.O_RDONLY)
     try:
         dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             return _clone_or_copy(src_fd, dst_fd)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            raise _no_space(dst_fd, f"a copy of {src.name}", os.fstat(src_fd).st_size) from e
         finally:
             os.close(dst_fd)
     finally:
         os.close(src_fd)
+
+
+def data_bytes(path: Path) -> int:
+    """Bytes of ``path`` in data extents (SEEK_DATA): what a copy or a reflink takes along.
+
+    Preallocated blocks never written count as holes, as FICLONE leaves them
+    behind (XFS shares only written extents) and the sparse copy skips them.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        total = pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            pos = os.lseek(fd, data, os.SEEK_HOLE)
+            total += pos - data
+        return total
+    finally:
+        os.close(fd)
+
+
+def allocate(path: Path, offset: int, length: int) -> None:
+    """Give ``path`` real blocks for ``[offset, offset + length)`` (fallocate mode 0).
+
+    The file grows to the end of the range if it is shorter.  Blocks already
+    there are left as they are: in particular a range a reflinked copy
+    shares stays shared (mode 0 does not unshare it), so overwriting it later
+    still needs pool space for the copy-on-write.  No room in the pool is
+    ResourceExhausted, and whatever fallocate allocated before failing past
+    the file's old end is given back (the file keeps its old size).
+    """
+    if length <= 0:
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            os.ftruncate(fd, size)  # frees blocks allocated beyond the old end
+            raise _no_space(fd, path.name, length) from e
+    finally:
+        os.close(fd)
+
+
+def _no_space(fd: int, what: str, needed: int) -> ResourceExhausted:
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    return ResourceExhausted(
+        f"the pool is out of space for {what}: {needed} bytes needed, {free} bytes free"
+    )

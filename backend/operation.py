@@ -44,10 +44,14 @@ class ServiceConfig:
     nfs_port: int = 2049
     mount_port: int = 20048
     overcommit_ratio: float = 1.0
+    # Health is not ok while the pool's free space is under this share of it (0: never).
+    low_space_percent: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.overcommit_ratio <= 100:
             raise InvalidArgument("overcommit ratio must be between 0.1 and 100")
+        if not 0 <= self.low_space_percent <= 100:
+            raise InvalidArgument("low space percent must be between 0 and 100")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ files, which ``remove_partial_files`` clears on start.  Every method is
 synchronous (the service calls them from worker threads); the ones a
 crash-recovery caller re-runs are idempotent.
 
+Block (nbd) images are sparse: a write the pool has no room for fails back
+to the NBD client.  Filesystem (nfs) images never are: they are fully
+allocated when made, cloned and grown, and their loop devices refuse
+discard, because a loop device that cannot write back to a full pool loses
+the filesystem's data without telling anyone (docs/backend.md, "A full pool").
+
 The mechanics live beside it: :mod:`backend.imagefiles` (temp files, copies),
 :mod:`backend.filesystems` (sizes, mkfs, growing), :mod:`backend.mounts` and
 :mod:`backend.loopdevices`.
@@ -25,7 +31,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from backend.commands import run
@@ -35,6 +41,7 @@ from backend.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
 )
 from backend.failpoints import failpoint
 from backend.filesystems import (
@@ -53,7 +60,9 @@ from backend.imagefiles import (
     FICLONE,
     NO_REFLINK,
     TEMP_MARK,
+    allocate,
     copy_into,
+    data_bytes,
     fsync_path,
     make_sparse_file,
     publish,
@@ -66,7 +75,8 @@ log = logging.getLogger("moorage.backend.pool")
 
 VOLUME_KINDS = ("nfs", "nbd")
 EXPORT_DIR_MODE = 0o777  # clients are squashed or run as arbitrary uids
-VOLUME_MOUNT_OPTIONS = "loop,nodev,nosuid,discard"  # discard punches holes: thin again
+# No "discard": it punches holes in the image, thin again (see _refuse_discard).
+VOLUME_MOUNT_OPTIONS = "loop,nodev,nosuid"
 
 _ID = re.compile(r"[0-9a-f]{32}")
 _IMAGE_NAME = re.compile(r"([0-9a-f]{32})\.img")
@@ -87,6 +97,58 @@ def _check_kind(kind: str) -> None:
         raise InvalidArgument(f"volume kind must be one of {VOLUME_KINDS}, got {kind!r}")
 
 
+# --- real space promised ---------------------------------------------------------
+
+
+class SpaceReservations:
+    """Pool space promised to nfs images decided on and not allocated yet.
+
+    A decision checks what it needs against the pool's free space less what
+    the others hold, then holds its bytes (a ticket) until its image is
+    allocated.  Checks and allocations take the same lock and an allocation
+    ends its volume's reservations, so no check counts bytes twice (already
+    allocated and still held) or not at all.  Writes to nbd volumes take space
+    meanwhile: an allocation can still find the pool full (ResourceExhausted).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[object, tuple[str, int]] = {}  # ticket -> (volume id, bytes)
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._held.values())
+
+    def reserve(self, vol_id: str, needed: int, free: Callable[[], int], what: str) -> object:
+        """Hold ``needed`` bytes for ``vol_id``; ResourceExhausted if the pool lacks them."""
+        with self._lock:
+            available = free()
+            others = sum(n for _, n in self._held.values())
+            if needed > available - others:
+                promised = f" ({others} of them promised to volumes being made)" if others else ""
+                raise ResourceExhausted(
+                    f"not enough free space in the pool for {what}: {needed} bytes needed, "
+                    f"{available} bytes free{promised}"
+                )
+            ticket = object()
+            self._held[ticket] = (vol_id, needed)
+            return ticket
+
+    def release(self, ticket: object) -> None:
+        with self._lock:
+            self._held.pop(ticket, None)
+
+    @contextlib.contextmanager
+    def allocating(self, vol_id: str) -> Iterator[None]:
+        """Around an allocation for ``vol_id``: no check meanwhile; its reservations end."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                for ticket in [t for t, (v, _) in self._held.items() if v == vol_id]:
+                    del self._held[ticket]
+
+
 # --- the pool ------------------------------------------------------------------
 
 
@@ -100,6 +162,7 @@ class Pool:
         self.mounts_dir = self.root / "mnt"
         self._reflink: bool | None = None
         self._reflink_lock = threading.Lock()
+        self.space = SpaceReservations()
 
     # paths
 
@@ -204,6 +267,8 @@ class Pool:
 
         A re-run after a crash at any step finishes the job: the image is only
         ever published formatted, and mounting and the export dir are checked.
+        The image is fully allocated first; a pool without room for it is
+        ResourceExhausted, with nothing left behind.
         """
         check_size(size)
         check_fs_type(fs_type)
@@ -215,6 +280,7 @@ class Pool:
             temp = temp_for(image)
             try:
                 make_sparse_file(temp, image_size, 0o600)
+                self._allocate(vol_id, temp, 0, image_size)  # before mkfs: fail fast
                 mkfs(temp, fs_type)
                 publish(temp, image)
             finally:
@@ -229,6 +295,7 @@ class Pool:
             elif found != fs_type:
                 holds = found or "data but no filesystem"
                 raise FailedPrecondition(f"volume {vol_id} image holds {holds}, not {fs_type}")
+            self._allocate(vol_id, image, 0, existing)  # a no-op once allocated
         failpoint("pool.formatted")
         self.mount_fs_volume(vol_id, fs_type)
         export = self._ensure_export_dir(vol_id)
@@ -239,7 +306,10 @@ class Pool:
         return export
 
     def mount_fs_volume(self, vol_id: str, fs_type: str) -> Path:
-        """Loop-mount the volume's filesystem on its mount dir; a no-op if mounted."""
+        """Loop-mount the volume's filesystem on its mount dir; a no-op if mounted.
+
+        Either way its loop device is left refusing discard (``_refuse_discard``).
+        """
         check_fs_type(fs_type)
         image = self._existing_image(vol_id)
         mount_point = self.mount_dir(vol_id)
@@ -247,6 +317,7 @@ class Pool:
             mount_point.mkdir(parents=True, exist_ok=True)
             mount_loop(image, mount_point, fs_type, VOLUME_MOUNT_OPTIONS)
             log.info("mounted volume %s on %s", vol_id, mount_point)
+        _refuse_discard(mount_table().get(mount_point))
         return mount_point
 
     def unmount_fs_volume(self, vol_id: str) -> None:
@@ -267,6 +338,8 @@ class Pool:
         lets us.  ext4 online resize needs CAP_SYS_RESOURCE; without it the
         volume is unmounted, resized offline and remounted, which fails with
         FailedPrecondition while anything holds it (ganesha exporting it).
+        The grown range is allocated first; a pool without room for it is
+        ResourceExhausted and leaves image and filesystem as they were.
         """
         check_fs_type(fs_type)
         target = fs_image_size(new_size, fs_type)
@@ -277,14 +350,17 @@ class Pool:
         if fs_type == "ext4" and not can_resize_ext4_online():
             if target > current or not ext4_fills(image):
                 self.unmount_fs_volume(vol_id)
-                if target > current:
-                    os.truncate(image, target)
+                try:
+                    self._allocate(vol_id, image, current, target - current)
+                except ResourceExhausted:
+                    self.mount_fs_volume(vol_id, fs_type)
+                    raise
                 resize_ext4_offline(image)
             self.mount_fs_volume(vol_id, fs_type)
             return
         self.mount_fs_volume(vol_id, fs_type)
         if target > current:
-            os.truncate(image, target)
+            self._allocate(vol_id, image, current, target - current)
             fsync_path(image)
         grow_mounted_fs(self.mount_dir(vol_id), fs_type)
 
@@ -364,12 +440,57 @@ class Pool:
         if self.volumes_dir.is_dir():
             fsync_path(self.volumes_dir)
 
+    def remove_mount_dir(self, vol_id: str) -> None:
+        """Remove a volume's (unmounted) mount dir; a no-op when gone.
+
+        Only ever removes empty directories: what an unmounted mount dir
+        holds was written beside the filesystem, not into it, and is kept.
+        """
+        mount_point = self.mount_dir(vol_id)
+        if mounts_under(mount_point):
+            raise FailedPrecondition(f"something is still mounted under {mount_point}")
+        for d in (mount_point / "export", mount_point):
+            with contextlib.suppress(FileNotFoundError, OSError):
+                d.rmdir()
+
     # accounting
 
     def capacity(self) -> tuple[int, int]:
         """(total, free) bytes of the pool filesystem."""
         st = os.statvfs(self.root)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def fs_volume_needs(self, size: int, fs_type: str, source: Path | None = None) -> int:
+        """Pool bytes that making an nfs volume of ``size`` allocates.
+
+        Its whole image; for a clone of ``source`` (an image or snapshot) on a
+        pool that reflinks, less what the clone shares with the source: its
+        written extents only (preallocated blocks never written are not shared).
+        """
+        target = fs_image_size(size, fs_type)
+        if source is None or not self.supports_reflink():
+            return target
+        try:
+            return max(0, target - data_bytes(source))
+        except FileNotFoundError as e:
+            raise NotFound(f"{source} not found") from e
+
+    def fs_growth_needs(self, vol_id: str, new_size: int, fs_type: str) -> int:
+        """Pool bytes that growing an nfs volume to ``new_size`` allocates."""
+        current = self._existing_image(vol_id).stat().st_size
+        return max(0, fs_image_size(new_size, fs_type) - current)
+
+    def reserve_space(self, vol_id: str, needed: int, what: str) -> object:
+        """Hold ``needed`` bytes of real free space for ``vol_id``'s allocation, or
+        ResourceExhausted; returns the ticket to release (``SpaceReservations``)."""
+        return self.space.reserve(vol_id, needed, lambda: self.capacity()[1], what)
+
+    def release_space(self, ticket: object) -> None:
+        self.space.release(ticket)
+
+    def _allocate(self, vol_id: str, path: Path, offset: int, length: int) -> None:
+        with self.space.allocating(vol_id):
+            allocate(path, offset, length)
 
     def allocated_bytes(self, path: Path) -> int:
         try:
@@ -451,7 +572,14 @@ class Pool:
                     reflinked = copy_into(source, temp)
                 if kind == "nfs" and fs_type_of(temp) != fs_type:
                     raise InvalidArgument(f"the source does not hold an {fs_type} filesystem")
-                if target > source_size:
+                if kind == "nfs":
+                    # The whole image, grown to target: the holes of the copy get
+                    # blocks (a reflink shares written extents only, so it has
+                    # holes too).  Extents a reflink shares with the source stay
+                    # shared (fallocate does not unshare them): overwriting them
+                    # needs pool space for the copy-on-write later.
+                    self._allocate(vol_id, temp, 0, target)
+                elif target > source_size:
                     os.truncate(temp, target)
                 if fs_type == "xfs" and kind == "nfs":
                     give_xfs_new_uuid(temp, temp_for(self.mounts_dir / vol_id))
@@ -486,6 +614,25 @@ def _ids_in(folder: Path) -> set[str]:
     if not folder.is_dir():
         return set()
     return {m.group(1) for p in folder.iterdir() if (m := _IMAGE_NAME.fullmatch(p.name))}
+
+
+def _refuse_discard(device: str | None) -> None:
+    """Make a volume's loop device refuse discard, so nothing punches its image.
+
+    Mounting without ``discard`` is not enough: ``fstrim`` (a weekly timer on
+    many hosts) trims every mounted filesystem whose device takes discards,
+    and a loop device turns them into holes in its backing file.  With the
+    device's discard limit at 0 the kernel reports discard unsupported.
+    Best effort: a read-only /sys is logged and left.
+    """
+    if device is None or not device.startswith("/dev/loop"):
+        return
+    limit = Path("/sys/block") / Path(device).name / "queue" / "discard_max_bytes"
+    try:
+        if limit.read_text().strip() != "0":
+            limit.write_text("0")
+    except OSError as e:
+        log.warning("cannot turn discard off on %s (fstrim could thin its image): %s", device, e)
 
 
 def _how(reflinked: bool) -> str:

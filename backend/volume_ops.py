@@ -1,8 +1,17 @@
-"""The storage node's volume operations: create (or clone), delete, expand, modify, read one."""
+"""The storage node's volume operations: create (or clone), delete, expand, modify, read one.
+
+Space is decided twice, both under the decision lock before anything is
+recorded: the sizes promised may not pass pool size x overcommit (pending
+expansions counted, ``views.capacity_info``), and an nfs volume, whose image
+is fully allocated (``backend/pool.py``), needs that much real free space in
+the pool now, less what other decisions hold until their images are
+allocated (``Pool.reserve_space``).  Either refusal is RESOURCE_EXHAUSTED.
+"""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -66,6 +75,8 @@ class VolumeOperations(Operations):
         if source_volume_id:
             validation.object_id(source_volume_id, "source volume id")
         vtype = VolumeType(kind)
+        fresh_id = new_id()  # the new volume's, if one is made
+        tickets: list[object] = []  # real pool space held for it
 
         def decide(s: Session) -> Intent[str]:
             existing = get_volume_by_name(s, name)
@@ -89,7 +100,15 @@ class VolumeOperations(Operations):
                 return Intent(existing_id, lambda: self.finish_create(existing_id))
             self._check_source(s, vtype, size, source_snapshot_id, source_volume_id)
             self._check_capacity(s, size)
-            vol_id = new_id()
+            if vtype == VolumeType.NFS:
+                source: Path | None = None
+                if source_snapshot_id:
+                    source = self.pool.snapshot_path(source_snapshot_id)
+                elif source_volume_id:
+                    source = self.pool.image_path(source_volume_id)
+                needed = self.pool.fs_volume_needs(size, params["fs_type"], source)
+                tickets.append(self.pool.reserve_space(fresh_id, needed, f"nfs volume {name!r}"))
+            vol_id = fresh_id
             s.add(
                 Volume(
                     id=vol_id,
@@ -111,7 +130,11 @@ class VolumeOperations(Operations):
             record_operation(s, op, vol_id, {"name": name})
             return Intent(vol_id, lambda: self.finish_create(vol_id))
 
-        vol_id = self._operation([f"name:{name}"], decide, failpoint_at="create.intent")
+        try:
+            vol_id = self._operation([f"name:{name}"], decide, failpoint_at="create.intent")
+        finally:
+            for ticket in tickets:  # allocated (or undone) by now
+                self.pool.release_space(ticket)
         return self.get_volume(volume_id=vol_id)
 
     @staticmethod
@@ -222,6 +245,13 @@ class VolumeOperations(Operations):
     def expand_volume(self, volume_id: str, size: int) -> VolumeInfo:
         vol_id = validation.object_id(volume_id, "volume id")
         requested = validation.size(size)
+        tickets: list[object] = []  # real pool space held for the growth
+
+        def reserve_growth(v: Volume, new_size: int) -> None:
+            if v.type == VolumeType.NFS and v.fs_type is not None:
+                needed = self.pool.fs_growth_needs(v.id, new_size, v.fs_type.value)
+                what = f"growing nfs volume {v.name!r}"
+                tickets.append(self.pool.reserve_space(vol_id, needed, what))
 
         def decide(s: Session) -> Intent[None]:
             v = s.get(Volume, vol_id)
@@ -244,14 +274,29 @@ class VolumeOperations(Operations):
                         "offline: unpublish it first"
                     )
                 self._check_capacity(s, new_size - v.size_bytes)
+                reserve_growth(v, new_size)
                 v.state = VolumeState.EXPANDING
                 record_operation(s, OperationKind.EXPAND_VOLUME, vol_id, {"size": new_size})
             else:
+                # An expansion that did not finish: the size it grows to is already
+                # counted (capacity_info); asking for more is decided like a new one.
                 op = self._pending_op(s, vol_id, OperationKind.EXPAND_VOLUME)
-                new_size = max(new_size, int((op.payload or {}).get("size", 0)) if op else 0)
+                pending = max(v.size_bytes, int((op.payload or {}).get("size", 0)) if op else 0)
+                if new_size > pending:
+                    self._check_capacity(s, new_size - pending)
+                    if op is None:
+                        record_operation(s, OperationKind.EXPAND_VOLUME, vol_id, {"size": new_size})
+                    else:
+                        op.payload = {**(op.payload or {}), "size": new_size}
+                new_size = max(new_size, pending)
+                reserve_growth(v, new_size)
             return Intent(None, lambda: self.finish_expand(vol_id, new_size))
 
-        self._operation([vol_id], decide, failpoint_at="expand.intent")
+        try:
+            self._operation([vol_id], decide, failpoint_at="expand.intent")
+        finally:
+            for ticket in tickets:
+                self.pool.release_space(ticket)
         return self.get_volume(volume_id=vol_id)
 
     def finish_expand(self, vol_id: str, new_size: int) -> None:
@@ -260,13 +305,26 @@ class VolumeOperations(Operations):
             if v is None:
                 return
             kind, fs = v.type, (v.fs_type.value if v.fs_type else None)
-        if kind == VolumeType.NBD:
-            self.pool.expand_block_image(vol_id, new_size)
-        else:
-            assert fs is not None
-            self.pool.expand_fs_volume(vol_id, new_size, fs)
+        try:
+            if kind == VolumeType.NBD:
+                self.pool.expand_block_image(vol_id, new_size)
+            else:
+                assert fs is not None
+                self.pool.expand_fs_volume(vol_id, new_size, fs)
+        except ResourceExhausted as e:
+            # The pool had no room for the grown image, which stayed as it was:
+            # the volume is ready at its old size (other failures leave it
+            # expanding, for a retry or the next start to finish).
+            with self._decide, self.catalog.session() as s:
+                v = s.get(Volume, vol_id)
+                if v is not None and v.state == VolumeState.EXPANDING:
+                    v.state = VolumeState.READY
+                self._close_journal(s, vol_id, OperationKind.EXPAND_VOLUME, error=str(e))
+            raise
         failpoint("expand.files")
-        with self.catalog.session() as s:
+        # Under the decision lock: the new size and the end of the pending
+        # expansion are seen together by every capacity decision.
+        with self._decide, self.catalog.session() as s:
             v = s.get(Volume, vol_id)
             if v is not None:
                 v.size_bytes = max(v.size_bytes, new_size)

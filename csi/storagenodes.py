@@ -143,7 +143,9 @@ class StorageNodes:
             return Health(name, False, from_backend(e, name).message)
         except CsiError as e:
             return Health(name, False, e.message)
-        return Health(name, h.ok, f"storage node {name}: {h.message}")
+        # A node low on space is not ok but still serves: the plugin stays
+        # ready (serving is absent, so false, from a node that predates it).
+        return Health(name, h.ok or h.serving, f"storage node {name}: {h.message}")
 
     def close(self) -> None:
         with self._lock:

@@ -5,12 +5,13 @@ Run with ``make bench``.  Each test starts a real ``moorage backend serve``
 gRPC API, as the CSI controller does.
 
 - ``test_concurrent_volumes``: 200 block (nbd) volumes of 64 MiB, then 50
-  filesystem (nfs, xfs, smallest size: a 300 MiB sparse image each, mkfs and
-  loop mount) volumes, each batch created by 16 client threads at once, each
+  filesystem (nfs, xfs, smallest size: a 300 MiB image each, fully allocated,
+  mkfs and loop mount) volumes, each batch created by 16 client threads at once, each
   thread with its own ``BackendClient`` (own channel); then every volume is
   deleted the same way.  Printed per batch: volumes/s over the batch's wall
   time, and the p50/p99/max latency of one call.  The node runs with
-  ``--overcommit 10``: 200 x 64 MiB is more than the 4 GiB pool, thinly.
+  ``--overcommit 10``: 200 x 64 MiB is more than 4 GiB, thinly; the pool is
+  4 GiB or, with more nfs volumes than that holds, large enough for their images.
 - ``test_snapshot_cost``: a 10 GiB block volume holding 1 GiB of random data
   (written straight into its image); ``CreateSnapshot`` through the API
   timed next to ``cp`` of the same image into the same pool filesystem, on
@@ -58,8 +59,10 @@ CLIENTS = 16
 NBD_VOLUMES = int(os.environ.get("MOORAGE_BENCH_NBD_VOLUMES", "200"))
 NFS_VOLUMES = int(os.environ.get("MOORAGE_BENCH_NFS_VOLUMES", "50"))
 NBD_VOLUME_SIZE = 64 * MiB
-NFS_VOLUME_SIZE = MiB  # the smallest size; the xfs image is XFS_MIN_IMAGE (300 MiB), sparse
+NFS_VOLUME_SIZE = MiB  # the smallest size; the xfs image is XFS_MIN_IMAGE (300 MiB)
 OVERCOMMIT = "10"
+# nfs images are fully allocated (docs/backend.md, "A full pool"): room for all of them
+CONCURRENT_POOL_SIZE = max(4 * GiB, NFS_VOLUMES * 320 * MiB + GiB)
 
 SNAP_VOLUME_SIZE = 10 * GiB
 SNAP_DATA = int(os.environ.get("MOORAGE_BENCH_SNAP_DATA_MIB", "1024")) * MiB
@@ -238,7 +241,10 @@ def test_concurrent_volumes(tmp_path: Path) -> None:
     batches: list[Batch] = []
     load_before = loadavg()
     try:
-        with running(root, lambda: make_node(root, ["--overcommit", OVERCOMMIT])) as node:
+        with running(
+            root,
+            lambda: make_node(root, ["--overcommit", OVERCOMMIT], pool_size=CONCURRENT_POOL_SIZE),
+        ) as node:
             nbd_names = [f"bench-nbd-{i:04d}" for i in range(NBD_VOLUMES)]
             batch, nbd = concurrently(
                 node, f"create nbd, {NBD_VOLUME_SIZE // MiB} MiB", nbd_names, create_nbd
