@@ -2,12 +2,15 @@
 
 The local default is a unix socket with mode 0600, where the file system
 decides who may connect.  Over TCP the daemon refuses to start without a
-token or client-certificate verification.
+token or client-certificate verification.  A token file its group or
+others may read is refused by the daemon and warned of by clients.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +19,29 @@ import grpc
 
 from backend.errors import InvalidArgument
 
+log = logging.getLogger("moorage.backend.auth")
+# (file, mode) already warned of: a client may read its token file often
+_warned: set[tuple[Path, int]] = set()
 
-def read_token(path: Path) -> str:
+
+def read_token(path: Path, *, refuse_shared: bool = False) -> str:
+    """The bearer token in ``path``.
+
+    A file its group or others may read is refused with ``refuse_shared``
+    (the storage node's ``--token-file``, unless ``--allow-shared-token-file``),
+    else warned of once (a client's token file).
+    """
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        problem = (
+            f"token file {path} has mode {mode:04o} (its group or others may read it): "
+            f"chmod 600 {path}"
+        )
+        if refuse_shared:
+            raise InvalidArgument(f"{problem}, or pass --allow-shared-token-file")
+        if (path, mode) not in _warned:
+            _warned.add((path, mode))
+            log.warning("%s", problem)
     token = path.read_text().strip()
     if len(token) < 16:
         raise InvalidArgument(f"token in {path} is shorter than 16 characters")

@@ -10,6 +10,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
+import stat
 import struct
 import time
 from pathlib import Path
@@ -20,6 +22,12 @@ from backend.errors import CommandFailed, FailedPrecondition
 log = logging.getLogger("moorage.backend.pool")
 
 _TIMEOUT = 120.0
+# How long detach_loops waits for a loop device's holders to let go.
+DETACH_WAIT = 60.0
+# An autoclear device is left this long to go by itself before losetup -d,
+# which is asked again this often while the device stays.
+_ALONE = 1.0
+_ASK_AGAIN = 5.0
 _LOOP_GET_STATUS64 = 0x4C05
 _LOOP_INFO64_SIZE = 232  # struct loop_info64
 
@@ -91,19 +99,145 @@ def loop_devices(backing: Path) -> list[str]:
     return sorted(found)
 
 
-def detach_loops(backing: Path, wait: float = 5.0) -> None:
-    """Detach loop devices of ``backing``; autoclear ones get ``wait`` seconds to go alone."""
+def _backing_text(device: str) -> str | None:
+    """What sysfs says backs ``device``, deleted or not (None once it is detached)."""
+    try:
+        text = Path("/sys/block", Path(device).name, "loop", "backing_file").read_text()
+    except OSError:
+        return None
+    return text.strip().removesuffix(" (deleted)")
+
+
+def _autoclear(device: str) -> bool:
+    """Whether the kernel detaches ``device`` by itself at its last close."""
+    try:
+        flag = Path("/sys/block", Path(device).name, "loop", "autoclear").read_text()
+    except OSError:
+        return False
+    return flag.strip() == "1"
+
+
+def detach_loops(backing: Path, wait: float = DETACH_WAIT) -> None:
+    """Detach the loop devices of ``backing``, waiting up to ``wait`` seconds for
+    what still holds one to let go.
+
+    ``losetup -d`` on a device in use only marks it autoclear: the kernel
+    detaches it at its last close, once ganesha closes its handles, a lazy
+    unmount finishes or udev's blkid is done.  An autoclear device (a mount
+    just undone) is left a moment to go by itself.  Waiting reads sysfs only;
+    when the time is up, the error names what holds each device left
+    (:func:`loop_holders`).  The bound allows for a busy machine.
+    """
     devices = loop_devices(backing)
     if not devices:
         return
-    deadline = time.monotonic() + wait
-    while devices and time.monotonic() < deadline:
-        time.sleep(0.05)
-        devices = loop_devices(backing)
-    for dev in devices:
-        log.info("detaching %s (backed by %s)", dev, backing)
-        with contextlib.suppress(CommandFailed):  # it may have gone by itself meanwhile
-            run(["losetup", "-d", dev], timeout=_TIMEOUT)
-    left = loop_devices(backing)
-    if left:
-        raise FailedPrecondition(f"loop devices {left} of {backing} could not be detached")
+    started = time.monotonic()
+    deadline = started + wait
+    alone = min(_ALONE, wait / 2)
+    ours = {dev: _backing_text(dev) for dev in devices}
+    asked: dict[str, float] = {}
+    delay = 0.02
+    while True:
+        devices = [dev for dev in devices if _backing_text(dev) == ours[dev]]
+        if not devices:
+            # gone, unless one was attached meanwhile
+            devices = loop_devices(backing)
+            if not devices:
+                return
+            ours.update({dev: _backing_text(dev) for dev in devices})
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        for dev in devices:
+            if now - asked.get(dev, -_ASK_AGAIN) < _ASK_AGAIN:
+                continue
+            if now - started >= alone or not _autoclear(dev):
+                asked[dev] = now
+                log.info("detaching %s (backed by %s)", dev, backing)
+                with contextlib.suppress(CommandFailed):  # it may have gone meanwhile
+                    run(["losetup", "-d", dev], timeout=_TIMEOUT)
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.25)
+    held = "; ".join(f"{dev} {_describe(loop_holders(dev))}" for dev in devices)
+    raise FailedPrecondition(
+        f"loop devices {devices} of {backing} could not be detached in {wait:g} s: {held}"
+    )
+
+
+def _describe(holders: list[str]) -> str:
+    if not holders:
+        return (
+            "has no holder found (a lazily unmounted filesystem still in use, "
+            "or a reference the kernel keeps)"
+        )
+    return "held by " + ", ".join(holders)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field, its octal escapes (``\\040`` for a space) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def loop_holders(device: str) -> list[str]:
+    """What holds ``device`` open: stacked devices (sysfs ``holders``), mounts of it
+    in any mount namespace, and processes with it open (``/proc/*/fd``).
+
+    Reads all of /proc: for an error message, not for polling.
+    """
+    name = Path(device).name
+    sysdir = Path("/sys/block", name)
+    found = [f"device {h.name}" for h in sorted((sysdir / "holders").glob("*"))]
+    try:
+        numbers = (sysdir / "dev").read_text().strip()
+        major, minor = (int(n) for n in numbers.split(":"))
+    except (OSError, ValueError):
+        return found
+    rdev = os.makedev(major, minor)
+    try:
+        own_namespace = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        own_namespace = ""
+    namespaces: set[str] = set()
+    openers: list[str] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            namespace = os.readlink(proc / "ns" / "mnt")
+        except OSError:
+            namespace = ""
+        if namespace and namespace not in namespaces:
+            namespaces.add(namespace)
+            where = "" if namespace == own_namespace else f" (mount namespace of pid {proc.name})"
+            found += [f"mounted on {m}{where}" for m in _mounts_of(proc / "mountinfo", numbers)]
+        try:
+            fds = os.listdir(proc / "fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(proc / "fd" / fd)
+                # stat only device nodes: other files may be on a hung FUSE mount
+                if not (target.startswith("/dev/") or Path(target).name == name):
+                    continue
+                st = os.stat(proc / "fd" / fd)
+            except OSError:
+                continue
+            if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev:
+                try:
+                    command = (proc / "comm").read_text().strip()
+                except OSError:
+                    command = "?"
+                openers.append(f"pid {proc.name} ({command})")
+                break
+    return found + openers
+
+
+def _mounts_of(mountinfo: Path, numbers: str) -> list[str]:
+    """Mount points of the device MAJOR:MINOR in one mountinfo file."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return []
+    fields = (line.split() for line in lines)
+    return [_unescape(f[4]) for f in fields if len(f) > 4 and f[2] == numbers]

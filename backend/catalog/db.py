@@ -8,6 +8,7 @@ work opens its own with ``Catalog.session()``.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -45,6 +46,19 @@ _SQLITE_PRAGMAS = (
     "PRAGMA foreign_keys=ON",
     f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
 )
+
+
+def private_sqlite_files(path: Path) -> None:
+    """Create the database file ``path`` mode 0600 if missing; take group's and
+    others' permissions from it and from its -wal, -shm and -journal files."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{suffix}", 0o600)
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
@@ -86,8 +100,13 @@ class Catalog:
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Catalog:
-        """The default catalog: ``DATA_DIR/catalog.sqlite3`` (the directory must exist)."""
+        """The default catalog: ``DATA_DIR/catalog.sqlite3`` (the directory must exist).
+
+        The file is made, or made again, private to its owner (0600); SQLite
+        gives its -wal and -shm files the database file's mode.
+        """
         path = data_dir.absolute() / CATALOG_FILE
+        private_sqlite_files(path)
         return cls(URL.create("sqlite", database=str(path)))
 
     @contextmanager

@@ -163,6 +163,7 @@ def test_backend_serve_with_its_nbd_port_taken(tmp_path: Path, taken_port: int) 
 def test_backend_serve_with_its_api_port_taken(tmp_path: Path, taken_port: int) -> None:
     token = tmp_path / "token"
     token.write_text("t" * 32)
+    token.chmod(0o600)
     args = ["--nbd-listen", f"127.0.0.1:{free_port()}", "--token-file", str(token)]
     result = moorage(*serve_args(tmp_path, *args, "--listen", f"127.0.0.1:{taken_port}"))
     assert result.returncode == 2, result

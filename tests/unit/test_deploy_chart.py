@@ -335,3 +335,61 @@ def test_each_sidecar_gets_what_its_own_rbac_grants(
         ours |= grants(find(default, "Role", "-provisioner")["rules"])
     missing = sorted(needed - ours)
     assert not missing, f"{kind}: missing {missing}"
+
+
+# ------------------------------------------------- the storage node's host paths
+
+
+def host_path_of(pod_owner: dict[str, Any], c: dict[str, Any], path: str) -> str | None:
+    """Where ``path`` in container ``c`` is on the host: through the deepest mount over
+    it, when that is a hostPath volume (None: in the container's own layer, or not a
+    hostPath volume)."""
+    over = [
+        m
+        for m in c.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    if not over:
+        return None
+    mount = max(over, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in pod_owner["spec"]["template"]["spec"]["volumes"]}
+    host = volumes[mount["name"]].get("hostPath")
+    if host is None:
+        return None
+    base: str = host["path"].rstrip("/")
+    return base + path[len(mount["mountPath"].rstrip("/")) :]
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        {},
+        {"dataHostPath": "/srv/moorage-catalog", "poolHostPath": "/mnt/disks/pool1/pool"},
+        {"dataHostPath": "/data/moorage/catalog/", "poolHostPath": "/data/moorage/pool"},
+        {"dataHostPath": "/var/lib/moorage-data", "poolHostPath": "/var/lib/moorage/pool"},
+    ],
+    ids=["default", "data-elsewhere", "data-beside-the-pool", "data-a-sibling-by-prefix"],
+)
+def test_every_host_path_of_the_storage_node_is_a_host_path_volume(
+    paths: dict[str, str],
+) -> None:
+    sets = [f"--set=storageNode.{key}={value}" for key, value in paths.items()]
+    objs = objects(
+        run_helm(
+            "template", "moorage", str(CHART), "--namespace", "moorage-system",
+            "--kube-version", KUBE_VERSION, *sets,
+        )
+    )  # fmt: skip
+    daemonset = find(objs, "DaemonSet", "-storage-node")
+    backend = container(daemonset, "backend")
+    data_dir, pool = flag(backend, "--data-dir"), flag(backend, "--pool")
+    assert data_dir and pool
+    if paths:
+        assert data_dir.rstrip("/") == paths["dataHostPath"].rstrip("/")
+        assert pool == paths["poolHostPath"]
+    # the catalog and ganesha's files; the pool, its loop image and its record
+    for path in (data_dir, pool, f"{pool}.img", f"{pool}.pool.json", "/dev"):
+        assert host_path_of(daemonset, backend, path) == path, f"{path} is not the host's"
+    init = container(daemonset, "pool")
+    for path in (pool, f"{pool}.img", f"{pool}.pool.json"):
+        assert host_path_of(daemonset, init, path) == path, f"pool init: {path}"
