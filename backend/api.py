@@ -14,6 +14,7 @@ from backend import errors
 from backend.metrics import OPERATION_SECONDS
 from backend.proto import backend_pb2 as pb
 from backend.proto import backend_pb2_grpc as pb_grpc
+from backend.quarantine import Orphan
 from backend.service import StorageService
 from backend.views import CapacityInfo, NbdTargetInfo, NfsTargetInfo, SnapshotInfo, VolumeInfo
 
@@ -34,11 +35,74 @@ _TYPES: dict[int, str] = {int(pb.NBD): "nbd", int(pb.NFS): "nfs"}
 _TYPE_PB: dict[str, pb.VolumeType] = {"nbd": pb.NBD, "nfs": pb.NFS}
 
 
+# The most of a status message a caller gets: grpc carries it in the trailing
+# metadata, and one over its limit turns the answer into RESOURCE_EXHAUSTED.
+MAX_DETAILS = 1000
+
+
 def status_for(error: BaseException) -> grpc.StatusCode:
     for kind, code in _STATUS:
         if isinstance(error, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def details(message: str) -> str:
+    """A status message cut to :data:`MAX_DETAILS` characters."""
+    if len(message) <= MAX_DETAILS:
+        return message
+    return message[: MAX_DETAILS - 3] + "..."
+
+
+class _Undecodable:
+    """Stands for a request whose bytes are not the method's request message."""
+
+    def __init__(self, size: int, error: Exception) -> None:
+        self.size = size
+        self.error = error
+
+
+class RequestDecoding(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Bytes that do not parse as the request message get INVALID_ARGUMENT and one
+    log line (grpc itself answers INTERNAL and logs a traceback per request)."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        inner = handler.unary_unary
+        method = handler_call_details.method
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:
+                return _Undecodable(len(data), e)
+
+        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                log.warning(
+                    "%s: undecodable request (%d bytes): %s",
+                    method,
+                    request.size,
+                    str(request.error)[:200],
+                )
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is not a valid message for {method}",
+                )
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=deserialize,
+            response_serializer=handler.response_serializer,
+        )
 
 
 def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[..., R]:
@@ -54,12 +118,12 @@ def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[...,
             code = status_for(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("%s failed: %s", method.__name__, e)
-            context.abort(code, str(e))
+            context.abort(code, details(str(e)))
         except Exception as e:
             if code == grpc.StatusCode.OK:  # not the abort above
                 code = grpc.StatusCode.INTERNAL
                 log.exception("%s failed unexpectedly", method.__name__)
-                context.abort(code, f"internal error: {e}")
+                context.abort(code, details(f"internal error: {e}"))
             raise
         finally:
             OPERATION_SECONDS.labels(method.__name__, code.name).observe(time.monotonic() - started)
@@ -252,4 +316,37 @@ class BackendServicer(pb_grpc.BackendServicer):
             nbd_exports=h.nbd_exports,
             nbd_connections=h.nbd_connections,
             message=h.message,
+            serving=h.serving,
+            low_space=h.low_space,
         )
+
+    @_rpc
+    def ListOrphans(
+        self, request: pb.ListOrphansRequest, context: grpc.ServicerContext
+    ) -> pb.ListOrphansResponse:
+        return pb.ListOrphansResponse(orphans=[orphan_pb(o) for o in self.service.list_orphans()])
+
+    @_rpc
+    def AdoptVolume(
+        self, request: pb.AdoptVolumeRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        kind = _volume_type(request.type) if request.type else ""
+        return volume_pb(self.service.adopt_volume(request.orphan, request.name, kind))
+
+    @_rpc
+    def PurgeOrphan(
+        self, request: pb.PurgeOrphanRequest, context: grpc.ServicerContext
+    ) -> pb.Orphan:
+        return orphan_pb(self.service.purge_orphan(request.orphan))
+
+
+def orphan_pb(o: Orphan) -> pb.Orphan:
+    return pb.Orphan(
+        name=o.name,
+        kind=o.kind,
+        original_id=o.original_id,
+        size_bytes=o.size_bytes,
+        allocated_bytes=o.allocated_bytes,
+        fs_type=o.fs_type or "",
+        quarantined_unix=int(o.quarantined_at),
+    )

@@ -156,3 +156,16 @@ class BackendClient:
 
     def health(self, timeout: float | None = None) -> pb.HealthResponse:
         return self._call("Health", pb.HealthRequest(), timeout)  # type: ignore[return-value]
+
+    def list_orphans(self) -> pb.ListOrphansResponse:
+        return self._call("ListOrphans", pb.ListOrphansRequest())  # type: ignore[return-value]
+
+    def adopt_volume(self, orphan: str, name: str, kind: str = "") -> pb.Volume:
+        types = {"": pb.VOLUME_TYPE_UNSPECIFIED, "nbd": pb.NBD, "nfs": pb.NFS}
+        if kind not in types:
+            raise ValueError(f"volume type {kind!r} is not nbd or nfs")
+        req = pb.AdoptVolumeRequest(orphan=orphan, name=name, type=types[kind])
+        return self._call("AdoptVolume", req)  # type: ignore[return-value]
+
+    def purge_orphan(self, orphan: str) -> pb.Orphan:
+        return self._call("PurgeOrphan", pb.PurgeOrphanRequest(orphan=orphan))  # type: ignore[return-value]

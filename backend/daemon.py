@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import trio
 
-from backend.api import BackendServicer
+from backend.api import BackendServicer, RequestDecoding
 from backend.auth import BearerTokenInterceptor, read_token
 from backend.catalog.db import Catalog
 from backend.errors import InvalidArgument, Unavailable
@@ -29,6 +29,7 @@ from backend.ganesha.supervisor import GaneshaSupervisor
 from backend.metrics import StorageNodeCollector, serve_metrics
 from backend.operation import ServiceConfig
 from backend.pool import Pool
+from backend.poolidentity import check_pool_identity
 from backend.poolinit import ensure_pool_mounted
 from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.reconcile import reconcile
@@ -56,6 +57,8 @@ class DaemonConfig:
     nfs_advertise: str | None = None
     db_url: str | None = None
     token_file: Path | None = None
+    # Serve with a token file others than its owner may read (only warned of).
+    allow_shared_token_file: bool = False
     api_tls_cert: Path | None = None
     api_tls_key: Path | None = None
     api_client_ca: Path | None = None
@@ -65,11 +68,18 @@ class DaemonConfig:
     lease_lifetime: int = 60
     graceless: bool = False
     overcommit_ratio: float = 1.0
+    # Health is not ok while the pool's free space is under this percentage.
+    low_space_percent: float = 10.0
     # Prometheus metrics over HTTP on HOST:PORT (backend/metrics.py); None: off.
     metrics_listen: str | None = None
+    # Also series by NBD export, whose names are volume ids and node names: the
+    # metrics port has no authentication (backend/metrics.py).
+    metrics_detail: bool = False
     # Unmount nfs volumes' filesystems when the daemon stops (they are
     # remounted at start either way).
     unmount_on_exit: bool = True
+    # Start on a pool whose id the catalog does not hold (backend/poolidentity.py).
+    claim_pool: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -136,7 +146,10 @@ class DaemonExporter:
 def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
     interceptors: list[grpc.ServerInterceptor] = []  # type: ignore[type-arg]
     if config.token_file is not None:
-        interceptors.append(BearerTokenInterceptor(read_token(config.token_file)))
+        token = read_token(config.token_file, refuse_shared=not config.allow_shared_token_file)
+        interceptors.append(BearerTokenInterceptor(token))
+    # innermost: request bytes that do not parse answer INVALID_ARGUMENT
+    interceptors.append(RequestDecoding())
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="backend-api"),
         interceptors=interceptors,
@@ -183,14 +196,15 @@ def _bind(address: str, add_port: Callable[[], int]) -> None:
 
 
 def check_api_access(config: DaemonConfig) -> None:
-    """Refuse an API on TCP open to anyone, before anything is started or mounted."""
+    """Refuse an API on TCP open to anyone, or a token file others may read,
+    before anything is started or mounted."""
+    if config.token_file is not None:
+        read_token(config.token_file, refuse_shared=not config.allow_shared_token_file)
     if config.api_address.startswith("unix:"):
         return
     mutual_tls = bool(config.api_tls_cert and config.api_tls_key and config.api_client_ca)
     if config.token_file is None and not mutual_tls:
         raise InvalidArgument("a TCP API needs --token-file or client certificates")
-    if config.token_file is not None:
-        read_token(config.token_file)
 
 
 async def run_daemon(
@@ -205,6 +219,9 @@ async def run_daemon(
     await trio.to_thread.run_sync(pool.ensure_layout)
     catalog = Catalog(config.db_url) if config.db_url else Catalog.for_data_dir(data_dir)
     await trio.to_thread.run_sync(catalog.migrate)
+    # Before anything is mounted or reconciled: a catalog that is not this
+    # pool's would make every volume look unknown.
+    await trio.to_thread.run_sync(check_pool_identity, catalog, pool, config.claim_pool)
 
     ganesha_dir = data_dir / "ganesha"
     files = GaneshaFiles(ganesha_dir)
@@ -248,6 +265,7 @@ async def run_daemon(
                 nfs_port=config.nfs_port,
                 mount_port=config.mount_port,
                 overcommit_ratio=config.overcommit_ratio,
+                low_space_percent=config.low_space_percent,
             ),
         )
         repairs = await trio.to_thread.run_sync(reconcile, service, files)
@@ -269,6 +287,7 @@ async def run_daemon(
                     service,
                     lambda: trio.from_thread.run_sync(table.stats, trio_token=token),
                     lambda: (supervisor.ready, supervisor.restarts),
+                    detail=config.metrics_detail,
                 ),
             )
         server = _grpc_server(config, service)

@@ -5,7 +5,18 @@ Read at scrape time, so they cost nothing between scrapes:
 - ``moorage_volumes{type,state}``: volumes in the catalog;
 - ``moorage_capacity_bytes{kind}``: the pool's ``total`` and ``free`` bytes,
   what is ``provisioned`` and what new volumes may still be given (``available``);
-- ``moorage_nbd_export_requests_total``, ``..._read_bytes_total``,
+- ``moorage_pool_low_space``: 1 while the pool's free space is under
+  ``--low-space-percent`` of it (health is then not ok), else 0;
+- ``moorage_quarantined_images``: images in ``POOL/quarantine`` the catalog
+  did not know at start, left for the operator (``moorage pool orphans``);
+- ``moorage_nbd_exports`` and ``moorage_nbd_connections``: NBD exports and
+  their open connections; ``moorage_nbd_requests_total``,
+  ``moorage_nbd_read_bytes_total``, ``moorage_nbd_written_bytes_total`` and
+  ``moorage_nbd_errors_total``: what every export did, summed (an export's
+  counts are kept when it goes, up to its last scrape);
+- only with ``detail`` (``--metrics-detail``), as the port has no
+  authentication and export names are volume ids with node names:
+  ``moorage_nbd_export_requests_total``, ``..._read_bytes_total``,
   ``..._written_bytes_total``, ``..._errors_total`` and
   ``moorage_nbd_export_connections``, each by ``export`` (one per publication;
   a counter starts again when its export is made anew);
@@ -17,6 +28,7 @@ Read at scrape time, so they cost nothing between scrapes:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,13 +37,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
+from backend import quarantine
 from backend.catalog.models import Volume
 from backend.service import StorageService
+from backend.views import low_space_problem
 from nbd.exports import ExportStats
 
 log = logging.getLogger("moorage.backend.metrics")
 
 REGISTRY = CollectorRegistry()
+# ExportStats' counters and their help texts
+_NBD_COUNTERS = {
+    "requests": "NBD requests.",
+    "read_bytes": "Bytes read over NBD.",
+    "written_bytes": "Bytes written over NBD.",
+    "errors": "NBD requests answered with an error.",
+}
 OPERATION_SECONDS = Histogram(
     "moorage_backend_operation_seconds",
     "Backend API calls by method and status code.",
@@ -47,10 +68,19 @@ class StorageNodeCollector(Collector):
         service: StorageService,
         nbd_stats: Callable[[], list[tuple[str, ExportStats, int]]],
         ganesha: Callable[[], tuple[bool, int]],
+        *,
+        detail: bool = False,
     ) -> None:
         self.service = service
         self.nbd_stats = nbd_stats
         self.ganesha = ganesha
+        # per-export series (export names: volume ids and node names) only if asked
+        self.detail = detail
+        # the node-wide NBD counters: what exports gone (or made anew) had
+        # counted at the last scrape, plus what each export has counted
+        self._nbd_lock = threading.Lock()
+        self._nbd_retired = ExportStats()
+        self._nbd_last: dict[str, ExportStats] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         started = time.monotonic()
@@ -74,30 +104,73 @@ class StorageNodeCollector(Collector):
         ):
             capacity.add_metric([what], value)
         yield capacity
-        per_export = {
-            field: CounterMetricFamily(f"moorage_nbd_export_{field}", text, labels=["export"])
-            for field, text in (
-                ("requests", "NBD requests."),
-                ("read_bytes", "Bytes read over NBD."),
-                ("written_bytes", "Bytes written over NBD."),
-                ("errors", "NBD requests answered with an error."),
-            )
-        }
-        connections = GaugeMetricFamily(
-            "moorage_nbd_export_connections", "Open NBD connections.", labels=["export"]
+        percent = self.service.config.low_space_percent
+        low = low_space_problem(cap.total_bytes, cap.free_bytes, percent)
+        yield GaugeMetricFamily(
+            "moorage_pool_low_space", "The pool is low on free space.", value=int(low is not None)
         )
-        for name, stats, open_connections in self.nbd_stats():
-            for field, family in per_export.items():
-                family.add_metric([name], getattr(stats, field))
-            connections.add_metric([name], open_connections)
-        yield from per_export.values()
-        yield connections
+        yield GaugeMetricFamily(
+            "moorage_quarantined_images",
+            "Images the catalog did not know, in POOL/quarantine (moorage pool orphans).",
+            value=quarantine.count(self.service.pool),
+        )
+        exports = self.nbd_stats()
+        yield from self._nbd_totals(exports)
+        if self.detail:
+            yield from self._nbd_per_export(exports)
         up, restarts = self.ganesha()
         yield GaugeMetricFamily("moorage_ganesha_up", "ganesha serves NFS.", value=int(up))
         yield CounterMetricFamily(
             "moorage_ganesha_restarts", "ganesha restarts by its supervisor.", value=restarts
         )
         log.debug("metrics collected in %.3f s", time.monotonic() - started)
+
+    def _nbd_totals(
+        self, exports: list[tuple[str, ExportStats, int]]
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Node-wide NBD series, without export names; the counters never go back."""
+        with self._nbd_lock:
+            now = {name: stats for name, stats, _ in exports}
+            for name, last in self._nbd_last.items():
+                current = now.get(name)
+                if current is None or any(
+                    getattr(current, f) < getattr(last, f) for f in _NBD_COUNTERS
+                ):  # gone, or made anew (its counters started again)
+                    for f in _NBD_COUNTERS:
+                        setattr(
+                            self._nbd_retired, f, getattr(self._nbd_retired, f) + getattr(last, f)
+                        )
+            self._nbd_last = now
+            totals = {
+                f: getattr(self._nbd_retired, f) + sum(getattr(s, f) for s in now.values())
+                for f in _NBD_COUNTERS
+            }
+        yield GaugeMetricFamily("moorage_nbd_exports", "NBD exports.", value=len(exports))
+        yield GaugeMetricFamily(
+            "moorage_nbd_connections",
+            "Open NBD connections.",
+            value=sum(open_connections for _, _, open_connections in exports),
+        )
+        for f, text in _NBD_COUNTERS.items():
+            yield CounterMetricFamily(f"moorage_nbd_{f}", text, value=totals[f])
+
+    def _nbd_per_export(
+        self, exports: list[tuple[str, ExportStats, int]]
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The same by export: export names are volume ids with node names."""
+        per_export = {
+            field: CounterMetricFamily(f"moorage_nbd_export_{field}", text, labels=["export"])
+            for field, text in _NBD_COUNTERS.items()
+        }
+        connections = GaugeMetricFamily(
+            "moorage_nbd_export_connections", "Open NBD connections.", labels=["export"]
+        )
+        for name, stats, open_connections in exports:
+            for field, family in per_export.items():
+                family.add_metric([name], getattr(stats, field))
+            connections.add_metric([name], open_connections)
+        yield from per_export.values()
+        yield connections
 
 
 def serve_metrics(address: str, collector: StorageNodeCollector) -> None:

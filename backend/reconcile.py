@@ -12,6 +12,7 @@ import logging
 
 from sqlalchemy import select
 
+from backend import quarantine
 from backend.catalog.db import finish_operation, pending_operations, publications_of
 from backend.catalog.models import (
     Operation,
@@ -24,7 +25,8 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import BackendError
+from backend.errors import BackendError, InvalidArgument
+from backend.exporting import exportable, publication_problem
 from backend.ganesha.config import ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.service import StorageService
@@ -72,6 +74,8 @@ def _finish_operations(service: StorageService) -> list[str]:
                     _finish_publish(service, op_id, target, str(payload.get("node", "")))
                 case OperationKind.UNPUBLISH:
                     service.finish_unpublish(target, str(payload.get("node", "")))
+                case OperationKind.ADOPT_VOLUME:
+                    service.finish_adopt(target, str(payload.get("orphan", "")))
             repairs.append(f"finished {what}")
         except (BackendError, OSError) as e:
             repairs.append(f"rolled back {what}: {e}")
@@ -83,6 +87,26 @@ def _finish_operations(service: StorageService) -> list[str]:
 
 
 def _finish_publish(service: StorageService, op_id: int, vol_id: str, node: str) -> None:
+    # A publish an older version recorded before checking what its exports
+    # could be made of: it never succeeded, and never can; withdraw it.
+    problem = None
+    with service.catalog.session() as s:
+        pub = s.scalars(
+            select(Publication).where(Publication.volume_id == vol_id, Publication.node_id == node)
+        ).first()
+        if pub is not None and pub.state == PublicationState.PUBLISHING:
+            problem = publication_problem(pub)
+            if problem is not None:
+                log.error(
+                    "publication of volume %s to %r cannot be exported: %s", vol_id, node, problem
+                )
+                s.delete(pub)
+                op = s.get(Operation, op_id)
+                if op is not None and op.state.value == "pending":
+                    finish_operation(op, error=f"cannot be exported: {problem}"[:500])
+    if problem is not None:
+        service.apply_exports(vol_id)
+        raise InvalidArgument(f"publication to {node[:80]!r} withdrawn: {problem}")
     service.apply_exports(vol_id)
     with service.catalog.session() as s:
         pub = s.scalars(
@@ -104,16 +128,22 @@ def _reconcile_files(service: StorageService) -> list[str]:
     with service.catalog.session() as s:
         volumes = {v.id: (v.type, v.fs_type, v.state) for v in s.scalars(select(Volume))}
         snapshots = {x.id: x.state for x in s.scalars(select(Snapshot))}
+    # Images the catalog does not know are never deleted here: a catalog
+    # restored from a backup or on the wrong path must not cost data.  They
+    # are moved aside whole, reported, and left to the operator.
     images = pool.list_volume_images()
     for orphan in sorted(images - set(volumes)):
-        pool.delete_volume(orphan)
-        repairs.append(f"removed orphan volume image {orphan}")
+        pool.unmount_fs_volume(orphan)
+        pool.remove_mount_dir(orphan)
+        moved = quarantine.quarantine(pool, pool.image_path(orphan), "volume", orphan)
+        repairs.append(f"quarantined unknown volume image {orphan} as {moved.name}")
     for orphan in sorted(pool.list_mounts() - set(volumes)):
-        pool.delete_volume(orphan)
+        pool.unmount_fs_volume(orphan)  # its image is gone: nothing to keep
+        pool.remove_mount_dir(orphan)
         repairs.append(f"unmounted orphan volume mount {orphan}")
     for orphan in sorted(pool.list_snapshot_images() - set(snapshots)):
-        pool.delete_snapshot(orphan)
-        repairs.append(f"removed orphan snapshot image {orphan}")
+        moved = quarantine.quarantine(pool, pool.snapshot_path(orphan), "snapshot", orphan)
+        repairs.append(f"quarantined unknown snapshot image {orphan} as {moved.name}")
     for vol_id, (vtype, fs_type, state) in sorted(volumes.items()):
         if vol_id not in images:
             log.error("volume %s (%s) has no image: its data is lost", vol_id, state.value)
@@ -132,20 +162,40 @@ def _reconcile_files(service: StorageService) -> list[str]:
 
 
 def _reconcile_exports(service: StorageService, files: GaneshaFiles) -> list[str]:
+    """Render every volume's exports from the catalog.  A publication that
+    cannot be exported (a row an older version wrote with a node id or address
+    today's rules refuse) is reported and left out, never a reason not to start:
+    ``unpublish`` removes it."""
     wanted: list[ExportConfig] = []
     nbd_count = 0
+    skipped: list[str] = []
     with service.catalog.session() as s:
         for v in s.scalars(select(Volume)):
             pubs = [p for p in publications_of(s, v.id) if p.state != PublicationState.UNPUBLISHING]
-            if not pubs:
+            for p in pubs:
+                problem = publication_problem(p)
+                if problem is not None:
+                    log.error(
+                        "publication of volume %s to %r is not exported: %s (unpublish it)",
+                        v.id,
+                        p.node_id[:80],
+                        problem,
+                    )
+                    who = f"{p.node_id[:80]!r}"
+                    skipped.append(f"publication of volume {v.id} to {who} not exported: {problem}")
+            if not exportable(pubs):
                 continue
-            if v.type == VolumeType.NFS:
-                wanted.append(service.exports.nfs_config(v, pubs))
-            else:
-                for export in service.exports.nbd_exports(v, pubs):
-                    service.exporter.add_nbd_export(export)
-                    nbd_count += 1
-    repairs = files.sync(wanted)
+            try:
+                if v.type == VolumeType.NFS:
+                    wanted.append(service.exports.nfs_config(v, pubs))
+                else:
+                    for export in service.exports.nbd_exports(v, pubs):
+                        service.exporter.add_nbd_export(export)
+                        nbd_count += 1
+            except (BackendError, ValueError) as e:
+                log.error("exports of volume %s cannot be rendered: %s", v.id, e)
+                skipped.append(f"exports of volume {v.id} not rendered: {e}")
+    repairs = skipped + files.sync(wanted)
     if nbd_count:
         log.info("reconcile: %d NBD exports serving", nbd_count)
     return repairs

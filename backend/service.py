@@ -11,7 +11,8 @@ worker threads.
 
 from __future__ import annotations
 
-from backend import validation
+from backend import quarantine, validation
+from backend.adoption_ops import AdoptionOperations
 from backend.catalog.db import list_snapshots, list_volumes
 from backend.catalog.models import Snapshot
 from backend.publication_ops import PublicationOperations
@@ -22,6 +23,7 @@ from backend.views import (
     SnapshotInfo,
     VolumeInfo,
     capacity_info,
+    low_space_problem,
     snapshot_info,
     volume_info,
 )
@@ -32,7 +34,9 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 
-class StorageService(VolumeOperations, SnapshotOperations, PublicationOperations):
+class StorageService(
+    VolumeOperations, SnapshotOperations, PublicationOperations, AdoptionOperations
+):
     """Every operation of the storage node, and the views of its catalog."""
 
     @staticmethod
@@ -74,15 +78,36 @@ class StorageService(VolumeOperations, SnapshotOperations, PublicationOperations
             return capacity_info(s, self.pool, self.config.overcommit_ratio)
 
     def health(self) -> HealthInfo:
+        """ok: nothing wrong; serving: requests are served (a pool low on space
+        is not ok, but still serving)."""
         st = self.exporter.status()
         problems = []
         if not st.ganesha_running:
             problems.append("ganesha is not running")
+        low = None
+        try:
+            total, free = self.pool.capacity()
+            low = low_space_problem(total, free, self.config.low_space_percent)
+        except OSError as e:
+            problems.append(f"pool {self.pool.root} unreadable: {e.strerror or e}")
+        serving = not problems
+        if low is not None:
+            problems.append(low)
+        still = ["still serving"] if serving and problems else []
         return HealthInfo(
             ok=not problems,
             version=VERSION,
             ganesha_running=st.ganesha_running,
             nbd_exports=st.nbd_exports,
             nbd_connections=st.nbd_connections,
-            message="; ".join(problems) or "ok",
+            message="; ".join(problems + still + self._notices()) or "ok",
+            serving=serving,
+            low_space=low is not None,
         )
+
+    def _notices(self) -> list[str]:
+        """What an operator should see but that does not stop the node serving."""
+        quarantined = quarantine.count(self.pool)
+        if quarantined:
+            return [f"{quarantined} images in quarantine (moorage pool orphans)"]
+        return []

@@ -13,7 +13,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend.catalog.db import publications_of
-from backend.catalog.models import Snapshot, SnapshotState, Volume, VolumeState, VolumeType
+from backend.catalog.models import (
+    Operation,
+    OperationKind,
+    OperationState,
+    Snapshot,
+    SnapshotState,
+    Volume,
+    VolumeState,
+    VolumeType,
+)
 from backend.errors import BackendError
 from backend.pool import Pool
 
@@ -92,6 +101,10 @@ class HealthInfo:
     nbd_exports: int
     nbd_connections: int
     message: str
+    # ok is false for any problem; serving only when requests cannot be served
+    # (e.g. ganesha down), not for a warning such as a pool low on space.
+    serving: bool = True
+    low_space: bool = False
 
 
 def _unix(row: Volume | Snapshot) -> int:
@@ -144,8 +157,36 @@ def snapshot_info(snap: Snapshot) -> SnapshotInfo:
 
 
 def capacity_info(s: Session, pool: Pool, overcommit_ratio: float) -> CapacityInfo:
-    """The pool's size and what the catalog has promised of it."""
+    """The pool's size and what the catalog has promised of it.
+
+    Provisioned is every volume's size plus what expansions decided and not
+    finished yet will add (their pending journal entries hold the size), so
+    that decisions taken while others are still growing cannot overshoot.
+    """
     total, free = pool.capacity()
     provisioned = int(s.scalar(select(func.coalesce(func.sum(Volume.size_bytes), 0))) or 0)
+    provisioned += pending_growth(s)
     available = max(0, int(total * overcommit_ratio) - provisioned)
     return CapacityInfo(total, free, provisioned, overcommit_ratio, available)
+
+
+def pending_growth(s: Session) -> int:
+    """Bytes that pending expansions add to their volumes' recorded sizes."""
+    targets: dict[str, int] = {}
+    query = select(Operation.target_id, Operation.payload).where(
+        Operation.kind == OperationKind.EXPAND_VOLUME, Operation.state == OperationState.PENDING
+    )
+    for target, payload in s.execute(query):
+        size = int((payload or {}).get("size", 0))
+        targets[target] = max(targets.get(target, 0), size)
+    if not targets:
+        return 0
+    sizes = s.execute(select(Volume.id, Volume.size_bytes).where(Volume.id.in_(targets)))
+    return sum(max(0, targets[vol_id] - size) for vol_id, size in sizes)
+
+
+def low_space_problem(total: int, free: int, percent: float) -> str | None:
+    """What health says when the pool's free space is under ``percent`` of it; None if not."""
+    if total <= 0 or free * 100 >= total * percent:
+        return None
+    return f"pool low on space: {free} bytes free ({free * 100 / total:.1f}% < {percent:g}%)"

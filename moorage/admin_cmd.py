@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from moorage.units import format_size, parse_size
 
 console = Console()
 DEFAULT_BACKEND = "unix:.moorage/data/backend.sock"
-_ID = re.compile(r"^[0-9a-f]{32}$")
+_ID = re.compile(r"[0-9a-f]{32}")
 
 volume_app = typer.Typer(help="Volumes on a storage node.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Snapshots on a storage node.", no_args_is_help=True)
@@ -98,9 +99,9 @@ def _client(command: str) -> Iterator[BackendClient]:
         client.close()
 
 
-def _emit(message: Message | list[Message], as_json: bool, table: Callable[[], Table]) -> None:
+def _emit(message: Message | Sequence[Message], as_json: bool, table: Callable[[], Table]) -> None:
     if as_json:
-        if isinstance(message, list):
+        if not isinstance(message, Message):
             print_json([_dict(m) for m in message])
         else:
             print_json(_dict(message))
@@ -134,7 +135,7 @@ def _volumes_table(volumes: list[pb.Volume]) -> Table:
 
 def _resolve(client: BackendClient, ref: str) -> pb.Volume:
     """A volume by id or by name."""
-    if _ID.match(ref):
+    if _ID.fullmatch(ref):
         return client.get_volume(volume_id=ref)
     return client.get_volume(name=ref)
 
@@ -228,6 +229,25 @@ def volume_expand(
     """Grow a volume (and, for nfs, its filesystem, online)."""
     with _client("volume expand") as c:
         v = c.expand_volume(_resolve(c, ref).id, _size(size))
+    _emit(v, as_json, lambda: _volumes_table([v]))
+
+
+@volume_app.command("adopt")
+def volume_adopt(
+    image: str = typer.Argument(
+        ..., metavar="IMAGE", help="A quarantined image, as `moorage pool orphans` names it."
+    ),
+    name: str = typer.Option(..., "--name", metavar="NAME", help="The volume's name."),
+    kind: str = typer.Option(
+        "", "--type", metavar="TYPE", help="nbd or nfs [nfs when the image holds a filesystem]."
+    ),
+    as_json: bool = _JSON,
+) -> None:
+    """Record a quarantined image as a volume again, with its size and type."""
+    if kind not in ("", "nbd", "nfs"):
+        raise typer.BadParameter("must be nbd or nfs", param_hint="--type")
+    with _client("volume adopt") as c:
+        v = c.adopt_volume(image, name, kind)
     _emit(v, as_json, lambda: _volumes_table([v]))
 
 
@@ -360,3 +380,47 @@ def pool_status(as_json: bool = _JSON) -> None:
     t.add_row("NBD exports / connections", f"{health.nbd_exports} / {health.nbd_connections}")
     t.add_row("health", health.message)
     console.print(t)
+
+
+def _orphans_table(orphans: list[pb.Orphan]) -> Table:
+    t = Table(title="quarantined images (POOL/quarantine)")
+    for col in ("IMAGE", "FOUND AS", "SIZE", "ALLOCATED", "HOLDS", "QUARANTINED"):
+        t.add_column(col, no_wrap=col == "IMAGE")
+    for o in orphans:
+        t.add_row(
+            o.name,
+            f"{o.kind} {o.original_id}",
+            format_size(o.size_bytes),
+            format_size(o.allocated_bytes),
+            o.fs_type or "-",
+            datetime.fromtimestamp(o.quarantined_unix, UTC).strftime("%Y-%m-%d %H:%M:%SZ"),
+        )
+    return t
+
+
+@pool_app.command("orphans")
+def pool_orphans(as_json: bool = _JSON) -> None:
+    """Images the catalog did not know, quarantined at start (never deleted implicitly)."""
+    with _client("pool orphans") as c:
+        orphans = list(c.list_orphans().orphans)
+    if not as_json and not orphans:
+        console.print("no quarantined images")
+        return
+    _emit(orphans, as_json, lambda: _orphans_table(orphans))
+
+
+@pool_app.command("purge-orphan")
+def pool_purge_orphan(
+    image: str = typer.Argument(..., metavar="IMAGE", help="A quarantined image's name."),
+    yes: bool = typer.Option(False, "--yes", help="Really delete it: its data is gone for good."),
+    as_json: bool = _JSON,
+) -> None:
+    """Delete one quarantined image (asks for --yes)."""
+    if not yes:
+        raise fail("pool purge-orphan", f"deleting {image} loses its data for good: add --yes")
+    with _client("pool purge-orphan") as c:
+        o = c.purge_orphan(image)
+    if as_json:
+        print_json({**_dict(o), "purged": True})
+    else:
+        console.print(f"purged {o.name} ({format_size(o.size_bytes)})")

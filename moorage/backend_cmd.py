@@ -9,8 +9,10 @@ from pathlib import Path
 import trio
 import typer
 
+from backend.catalog.db import Catalog
 from backend.daemon import DaemonConfig, run_daemon
 from backend.errors import BackendError
+from backend.poolidentity import init_identity
 from backend.poolinit import init_loop_pool, release_loop_pool
 from moorage.output import fail, run_service
 from moorage.units import parse_size
@@ -42,7 +44,14 @@ def serve(
     db_url: str | None = typer.Option(
         None, "--db-url", help="SQLAlchemy URL of the catalog [SQLite in DATA_DIR]."
     ),
-    token_file: Path | None = typer.Option(None, "--token-file", help="API bearer token file."),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="API bearer token file (mode 0600 or stricter)."
+    ),
+    allow_shared_token_file: bool = typer.Option(
+        False,
+        "--allow-shared-token-file",
+        help="Accept a token file its group or others may read (warned of).",
+    ),
     api_tls_cert: Path | None = typer.Option(None, "--api-tls-cert"),
     api_tls_key: Path | None = typer.Option(None, "--api-tls-key"),
     api_client_ca: Path | None = typer.Option(
@@ -56,8 +65,24 @@ def serve(
     overcommit: float = typer.Option(
         1.0, "--overcommit", help="Thin provisioning: sizes may add up to pool x this."
     ),
+    low_space_percent: float = typer.Option(
+        10.0,
+        "--low-space-percent",
+        help="Health is not ok while the pool's free space is under this percentage (0: never).",
+    ),
     metrics_listen: str | None = typer.Option(
         None, "--metrics-listen", help="Serve Prometheus metrics on HOST:PORT."
+    ),
+    metrics_detail: bool = typer.Option(
+        False,
+        "--metrics-detail",
+        help="Also metrics by NBD export, named by volume id and node (no authentication).",
+    ),
+    claim_pool: bool = typer.Option(
+        False,
+        "--claim-pool",
+        help="Start although the catalog does not hold the pool's id (unknown images are "
+        "quarantined, never deleted).",
     ),
 ) -> None:
     """Run the storage node: NFS through ganesha, NBD, and the backend API."""
@@ -73,6 +98,7 @@ def serve(
         nfs_advertise=nfs_advertise,
         db_url=db_url,
         token_file=token_file,
+        allow_shared_token_file=allow_shared_token_file,
         api_tls_cert=api_tls_cert,
         api_tls_key=api_tls_key,
         api_client_ca=api_client_ca,
@@ -82,7 +108,10 @@ def serve(
         lease_lifetime=lease_lifetime,
         graceless=graceless,
         overcommit_ratio=overcommit,
+        low_space_percent=low_space_percent,
         metrics_listen=metrics_listen,
+        metrics_detail=metrics_detail,
+        claim_pool=claim_pool,
     )
     tune_malloc()
     up = threading.Event()
@@ -102,17 +131,40 @@ async def _serve(config: DaemonConfig, up: threading.Event) -> None:
 def pool_init(
     directory: Path = typer.Argument(..., help="The pool directory to create and mount."),
     loop_size: str = typer.Option(..., "--loop-size", help="Size of the pool image, e.g. 20G."),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Also record the pool's id in this data dir's catalog."
+    ),
+    db_url: str | None = typer.Option(
+        None, "--db-url", help="Also record the pool's id in the catalog at this URL."
+    ),
 ) -> None:
-    """Make a sparse xfs (reflink) image, loop-mount it on DIR, and record it."""
+    """Make a sparse xfs (reflink) image, loop-mount it on DIR, and give it an id.
+
+    The id goes into DIR/moorage-pool.json and, given --data-dir or --db-url,
+    into that catalog; otherwise the first `backend serve` records it.
+    """
     try:
         size = parse_size(loop_size)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--loop-size") from e
     try:
         image = init_loop_pool(directory, size)
+        catalog = None
+        if db_url is not None:
+            catalog = Catalog(db_url)
+        elif data_dir is not None:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            catalog = Catalog.for_data_dir(data_dir)
+        if catalog is not None:
+            catalog.migrate()
+        try:
+            pool_id = init_identity(directory.resolve(), catalog)
+        finally:
+            if catalog is not None:
+                catalog.dispose()
     except BackendError as e:
         raise fail("backend pool init", str(e)) from e
-    typer.echo(f"pool {directory.resolve()} mounted from {image}")
+    typer.echo(f"pool {directory.resolve()} ({pool_id}) mounted from {image}")
 
 
 @pool_app.command("release")

@@ -82,6 +82,8 @@ class OperationKind(enum.StrEnum):
     CLONE_VOLUME = "clone_volume"
     PUBLISH = "publish"
     UNPUBLISH = "unpublish"
+    # A quarantined image recorded as a volume again (backend/adoption_ops.py).
+    ADOPT_VOLUME = "adopt_volume"
 
 
 class OperationState(enum.StrEnum):
@@ -234,3 +236,13 @@ class Operation(Base):
             f"Operation(id={self.id!r}, kind={self.kind!r}, target_id={self.target_id!r}, "
             f"state={self.state!r})"
         )
+
+
+class PoolIdentity(Base):
+    """Which pool this catalog describes: one row, the id ``pool init`` or the
+    first start wrote into the pool's ``moorage-pool.json`` (backend/poolidentity.py)."""
+
+    __tablename__ = "pool_identity"
+
+    pool_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -353,7 +353,9 @@ def check_node(node: BackendNode) -> None:
     assert sorted(os.listdir(pool / "volumes")) == sorted(f"{i}.img" for i in volume_ids)
     assert sorted(os.listdir(pool / "snapshots")) == sorted(f"{s.id}.img" for s in snapshots)
     assert sorted(os.listdir(pool / "mnt")) == sorted(nfs_ids), "orphan or missing mount dir"
-    assert sorted(os.listdir(pool)) == ["mnt", "snapshots", "volumes"], "stray file in pool"
+    # the pool's id marker and (once something was quarantined) the quarantine folder
+    stray = set(os.listdir(pool)) - {"quarantine", "moorage-pool.json"}
+    assert sorted(stray) == ["mnt", "snapshots", "volumes"], "stray file in pool"
 
     # mounts: exactly one per nfs volume, on its mount dir
     under_mnt = sorted(str(p) for p in mount_points() if pool / "mnt" in p.parents)
@@ -669,6 +671,53 @@ class ModifyScenario(Scenario):
         check_data(node, ctx.source)
 
 
+class AdoptScenario(Scenario):
+    """A volume the catalog lost (its row removed while the node was down) is
+    quarantined at start, then adopted back; the crash comes after the intent."""
+
+    failpoints = ("adopt.intent",)
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def setup(self, node: BackendNode, ctx: Ctx) -> None:
+        super().setup(node, ctx)
+        assert ctx.source is not None
+        assert node.stop() == 0
+        db = sqlite3.connect(node.data_dir / CATALOG_FILE, timeout=10)
+        try:
+            with db:
+                db.execute("DELETE FROM publications WHERE volume_id = ?", (ctx.source.id,))
+                db.execute("DELETE FROM volumes WHERE id = ?", (ctx.source.id,))
+        finally:
+            db.close()
+        node.start()
+        assert (node.pool_dir / "quarantine" / self.orphan(ctx)).is_file()
+
+    @staticmethod
+    def orphan(ctx: Ctx) -> str:
+        assert ctx.source is not None
+        return f"volume-{ctx.source.id}.img"
+
+    def act(self, c: BackendClient, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        c.adopt_volume(self.orphan(ctx), ctx.source.name)
+
+    def after_crash(self, node: BackendNode, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        with node.client() as c:
+            v = find_volume(c, name=ctx.source.name)
+        assert v is not None and v.state == "ready" and v.id == ctx.source.id, v
+        assert not (node.pool_dir / "quarantine" / self.orphan(ctx)).exists()
+
+    def retry(self, node: BackendNode, ctx: Ctx) -> None:
+        assert ctx.source is not None
+        with node.client() as c, pytest.raises(grpc.RpcError) as gone:
+            c.adopt_volume(self.orphan(ctx), ctx.source.name)
+        assert status_of(gone.value) == grpc.StatusCode.NOT_FOUND, gone.value
+        check_data(node, ctx.source)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "create_nbd": CreateScenario("nbd"),
     "create_nfs": CreateScenario("nfs"),
@@ -689,6 +738,8 @@ SCENARIOS: dict[str, Scenario] = {
     "unpublish_nfs": UnpublishScenario("nfs"),
     "modify_nbd": ModifyScenario("nbd"),
     "modify_nfs": ModifyScenario("nfs"),
+    "adopt_nbd": AdoptScenario("nbd"),
+    "adopt_nfs": AdoptScenario("nfs"),
 }
 CASES = [(op, fp) for op, scenario in SCENARIOS.items() for fp in scenario.failpoints]
 
@@ -817,8 +868,9 @@ def test_kill_during_concurrent_creates(node: BackendNode, keepers: list[Vol]) -
         check_node(node)
 
 
-def test_orphans_left_by_a_crash_are_removed(node: BackendNode, keepers: list[Vol]) -> None:
-    """What a crashed daemon made but never recorded is removed at the next start.
+def test_unknown_images_are_quarantined(node: BackendNode, keepers: list[Vol]) -> None:
+    """What the catalog does not know is moved to POOL/quarantine at the next start,
+    whole; half-written temporary files and stale export files are removed.
 
     The journal records each intent before any file is made, so no failpoint
     leaves such orphans; a catalog restored from a backup, or an older
@@ -855,3 +907,15 @@ def test_orphans_left_by_a_crash_are_removed(node: BackendNode, keepers: list[Vo
         check_node(node)
         for vol in keepers:
             check_data(node, vol)
+        quarantined = pool / "quarantine"
+        assert sorted(os.listdir(quarantined)) == sorted(
+            [f"volume-{nbd_id}.img", f"volume-{nfs_id}.img", f"snapshot-{snap_id}.img"]
+        )
+        assert (quarantined / f"volume-{nbd_id}.img").read_bytes() == b"\xab" * 4096
+        assert (quarantined / f"snapshot-{snap_id}.img").read_bytes() == b"\xcd" * 4096
+        assert (quarantined / f"volume-{nfs_id}.img").stat().st_size == 300 * MiB
+        listed = node.cli("pool", "orphans", "--json")
+        assert {o["name"] for o in json.loads(listed.stdout)} == set(os.listdir(quarantined))
+        for name in os.listdir(quarantined):
+            node.cli("pool", "purge-orphan", name, "--yes")
+        assert os.listdir(quarantined) == []

@@ -23,16 +23,21 @@ FAMILIES = (
     "moorage_nbd_export_written_bytes_total",
     "moorage_nbd_export_errors_total",
     "moorage_nbd_export_connections",
+    "moorage_nbd_exports",
+    "moorage_nbd_connections",
+    "moorage_nbd_requests_total",
+    "moorage_nbd_read_bytes_total",
+    "moorage_nbd_written_bytes_total",
+    "moorage_nbd_errors_total",
     "moorage_ganesha_up",
     "moorage_ganesha_restarts_total",
     "moorage_backend_operation_seconds_count",
 )
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
+def metered_node(root: Path, *extra: str) -> Iterator[tuple[BackendNode, int]]:
     port = free_port()
-    node = make_node(tmp_path / "node", extra_args=["--metrics-listen", f"127.0.0.1:{port}"])
+    node = make_node(root, extra_args=["--metrics-listen", f"127.0.0.1:{port}", *extra])
     try:
         node.start()
         yield node, port
@@ -40,11 +45,27 @@ def node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
         node.teardown()
 
 
-def scrape(port: int) -> dict[str, float]:
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
+    """A node with metrics by export too (--metrics-detail)."""
+    yield from metered_node(tmp_path / "node", "--metrics-detail")
+
+
+@pytest.fixture
+def plain_node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
+    """A node with the default metrics: totals only."""
+    yield from metered_node(tmp_path / "node")
+
+
+def scrape_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+        text: str = r.read().decode()
+    return text
+
+
+def scrape(port: int) -> dict[str, float]:
     samples = {}
-    for line in text.splitlines():
+    for line in scrape_text(port).splitlines():
         m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
         if m:
             samples[m[1]] = float(m[2])
@@ -106,3 +127,29 @@ def test_metrics_answer_and_the_byte_counters_move(node: tuple[BackendNode, int]
         >= 1
     )
     assert during, "no scrape while the writer ran"
+
+
+def test_by_default_the_metrics_name_no_volume_and_no_node(
+    plain_node: tuple[BackendNode, int],
+) -> None:
+    n, port = plain_node
+    with n.client() as c:
+        v = c.create_volume(
+            pb.CreateVolumeRequest(name="unnamed", type=pb.NBD, size_bytes=16 << 20)
+        )
+        target = c.publish(v.id, "secret-node", "127.0.0.1").nbd
+    uri = f"nbd://127.0.0.1:{target.port}/{target.export_name}"
+    subprocess.run(
+        ["qemu-io", "-f", "raw", "-c", "write -P 0x5a 0 1M", uri],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    text = scrape_text(port)
+    assert v.id not in text
+    assert "secret-node" not in text
+    assert "export=" not in text
+    samples = scrape(port)
+    assert value(samples, "moorage_nbd_exports") == 1
+    assert value(samples, "moorage_nbd_written_bytes_total") >= 1 << 20
+    assert value(samples, "moorage_volumes", type="nbd", state="ready") == 1

@@ -8,6 +8,8 @@ throwaway PostgreSQL cluster by supplying another ``catalog_url`` fixture.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
@@ -48,11 +50,28 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
+from backend.errors import FailedPrecondition
+from backend.pool import Pool
+from backend.poolidentity import (
+    IdentityCheck,
+    catalog_pool_id,
+    check_pool_identity,
+    read_pool_id,
+    record_catalog_pool_id,
+    write_pool_id,
+)
 
 LATEST_REVISION = max(
     p.name.split("_")[0] for p in Path(revisions.__file__).parent.glob("[0-9]*_*.py")
 )
-TABLES = {"volumes", "snapshots", "publications", "operations", "alembic_version"}
+TABLES = {
+    "volumes",
+    "snapshots",
+    "publications",
+    "operations",
+    "pool_identity",
+    "alembic_version",
+}
 
 
 def new_id() -> str:
@@ -326,6 +345,55 @@ class CatalogBehaviour:
             names = set(session.scalars(select(Volume.name)))
         assert names == {f"pvc-{w}-{i}" for w in range(threads) for i in range(per_thread)}
 
+    # pool identity (backend/poolidentity.py): on every catalog database
+
+    def test_a_fresh_pool_and_catalog_are_paired_once(
+        self, catalog: Catalog, tmp_path: Path
+    ) -> None:
+        pool = Pool(tmp_path / "pool")
+        pool.ensure_layout()
+        first = check_pool_identity(catalog, pool)
+        assert first.recorded_now
+        assert read_pool_id(pool.root) == catalog_pool_id(catalog) == first.pool_id
+        again = check_pool_identity(catalog, pool)
+        assert again == IdentityCheck(first.pool_id, recorded_now=False)
+
+    def test_a_catalog_of_another_pool_is_refused_unless_claimed(
+        self, catalog: Catalog, tmp_path: Path
+    ) -> None:
+        pool = Pool(tmp_path / "pool")
+        pool.ensure_layout()
+        write_pool_id(pool.root, "a" * 32)
+        record_catalog_pool_id(catalog, "b" * 32)
+        with pytest.raises(FailedPrecondition, match=r"belongs to pool b{32}.*--claim-pool"):
+            check_pool_identity(catalog, pool)
+        assert catalog_pool_id(catalog) == "b" * 32  # nothing changed by the refusal
+        claimed = check_pool_identity(catalog, pool, claim=True)
+        assert claimed.pool_id == catalog_pool_id(catalog) == read_pool_id(pool.root) == "a" * 32
+
+    def test_an_empty_catalog_on_a_pool_with_images_is_refused(
+        self, catalog: Catalog, tmp_path: Path
+    ) -> None:
+        pool = Pool(tmp_path / "pool")
+        pool.ensure_layout()
+        pool.image_path(new_id()).write_bytes(b"data")
+        with pytest.raises(FailedPrecondition, match=r"new or empty.*1 volume images"):
+            check_pool_identity(catalog, pool)
+        assert catalog_pool_id(catalog) is None and read_pool_id(pool.root) is None
+        check_pool_identity(catalog, pool, claim=True)
+        assert catalog_pool_id(catalog) == read_pool_id(pool.root) is not None
+
+    def test_a_pool_without_its_marker_is_refused(self, catalog: Catalog, tmp_path: Path) -> None:
+        # e.g. the pool's filesystem is not mounted: an empty directory in its place
+        pool = Pool(tmp_path / "pool")
+        pool.ensure_layout()
+        record_catalog_pool_id(catalog, "c" * 32)
+        with catalog.session() as s:
+            s.add(make_volume("pvc-1"))
+        with pytest.raises(FailedPrecondition, match=r"no moorage-pool\.json.*mounted"):
+            check_pool_identity(catalog, pool)
+        assert read_pool_id(pool.root) is None
+
 
 class TestSQLiteCatalog(CatalogBehaviour):
     @pytest.fixture
@@ -372,3 +440,39 @@ class TestSQLiteCatalog(CatalogBehaviour):
         monkeypatch.chdir(elsewhere)
         empty_catalog.migrate()
         assert "volumes" in inspect(empty_catalog.engine).get_table_names()
+
+
+def modes(data_dir: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in data_dir.glob(f"{CATALOG_FILE}*")}
+
+
+def test_the_catalog_and_its_wal_and_shm_are_private_to_their_owner(tmp_path: Path) -> None:
+    old_umask = os.umask(0o022)  # what would make them world-readable
+    try:
+        catalog = Catalog.for_data_dir(tmp_path)
+        try:
+            catalog.migrate()
+            with catalog.session() as session:
+                session.add(make_volume("pvc-private"))
+            with catalog.engine.connect():  # open: the -wal and -shm are there
+                found = modes(tmp_path)
+        finally:
+            catalog.dispose()
+    finally:
+        os.umask(old_umask)
+    assert set(found) == {CATALOG_FILE, f"{CATALOG_FILE}-wal", f"{CATALOG_FILE}-shm"}
+    assert found == dict.fromkeys(found, 0o600)
+
+
+def test_a_world_readable_catalog_is_made_private_at_start(tmp_path: Path) -> None:
+    catalog = Catalog.for_data_dir(tmp_path)
+    catalog.migrate()
+    catalog.dispose()
+    (tmp_path / CATALOG_FILE).chmod(0o644)
+    (tmp_path / f"{CATALOG_FILE}-wal").touch(0o644)  # an empty log: nothing to replay
+    reopened = Catalog.for_data_dir(tmp_path)
+    try:
+        assert modes(tmp_path) == {CATALOG_FILE: 0o600, f"{CATALOG_FILE}-wal": 0o600}
+        reopened.migrate()
+    finally:
+        reopened.dispose()
