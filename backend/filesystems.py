@@ -142,14 +142,43 @@ def grow_mounted_fs(mount_point: Path, fs_type: str) -> None:
         run(["resize2fs", device], timeout=_LONG_TIMEOUT)
 
 
-def resize_ext4_offline(image: Path) -> None:
-    """Check the unmounted ext4 in ``image`` and resize it to fill the file."""
+def check_ext4(image: Path) -> None:
+    """Check (and repair what ``-p`` may) the unmounted ext4 in ``image``."""
     try:
         run(["e2fsck", "-f", "-p", str(image)], timeout=_LONG_TIMEOUT)
     except CommandFailed as e:
         if e.returncode != 1:  # 1: errors were corrected
             raise
+
+
+def resize_ext4_offline(image: Path, checked: bool = False) -> None:
+    """Check the unmounted ext4 in ``image`` (unless ``checked``) and resize it to fill the file."""
+    if not checked:
+        check_ext4(image)
     run(["resize2fs", str(image)], timeout=_LONG_TIMEOUT)
+
+
+def give_ext4_new_uuid(image: Path) -> None:
+    """A clone must not share its source's UUID: ganesha tells the filesystems it
+    exports apart by UUID, drops the second of two alike, and fails its export.
+
+    The ext4 in ``image`` is checked first: tune2fs rewrites every metadata
+    checksum with the new UUID, and wants a checked filesystem for that.
+    """
+    before = ext4_uuid(image)
+    check_ext4(image)
+    run(["tune2fs", "-U", "random", str(image)], timeout=_LONG_TIMEOUT)
+    if ext4_uuid(image) == before:
+        raise FailedPrecondition(f"could not give {image} a new ext4 UUID")
+
+
+def ext4_uuid(image: Path) -> str:
+    """The UUID of the ext4 in ``image``, from its superblock."""
+    for line in run(["dumpe2fs", "-h", str(image)], timeout=_TIMEOUT).splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Filesystem UUID":
+            return value.strip()
+    raise FailedPrecondition(f"dumpe2fs shows no UUID for {image}")
 
 
 def ext4_fills(image: Path) -> bool:

@@ -51,6 +51,7 @@ from backend.filesystems import (
     ext4_fills,
     fs_image_size,
     fs_type_of,
+    give_ext4_new_uuid,
     give_xfs_new_uuid,
     grow_mounted_fs,
     mkfs,
@@ -581,10 +582,13 @@ class Pool:
                     self._allocate(vol_id, temp, 0, target)
                 elif target > source_size:
                     os.truncate(temp, target)
+                # a filesystem of its own: ganesha keys file handles on the UUID
                 if fs_type == "xfs" and kind == "nfs":
                     give_xfs_new_uuid(temp, temp_for(self.mounts_dir / vol_id))
-                elif fs_type == "ext4" and kind == "nfs" and target > source_size:
-                    resize_ext4_offline(temp)
+                elif fs_type == "ext4" and kind == "nfs":
+                    give_ext4_new_uuid(temp)  # checks it first
+                    if target > source_size:
+                        resize_ext4_offline(temp, checked=True)
                 publish(temp, image)
             finally:
                 temp.unlink(missing_ok=True)
