@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,8 @@ from sqlalchemy import func, select
 from backend.catalog.db import Catalog
 from backend.catalog.models import PoolIdentity, Volume
 from backend.errors import FailedPrecondition
-from backend.imagefiles import fsync_path
 from backend.pool import Pool
+from nbd.atomicfile import write_atomically
 
 log = logging.getLogger("moorage.backend.poolidentity")
 
@@ -62,17 +61,7 @@ def read_pool_id(pool_root: Path) -> str | None:
 
 def write_pool_id(pool_root: Path, pool_id: str) -> None:
     text = json.dumps({"pool_id": pool_id, "format": 1}, indent=2) + "\n"
-    path = marker_path(pool_root)
-    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with temp.open("x") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-    fsync_path(path.parent)
+    write_atomically(marker_path(pool_root), text, mode=0o644)
 
 
 def catalog_pool_id(catalog: Catalog) -> str | None:

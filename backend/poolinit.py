@@ -22,6 +22,7 @@ from backend.filesystems import XFS_MIN_IMAGE, fs_type_of
 from backend.imagefiles import fsync_path
 from backend.loopdevices import detach_loops, loop_devices
 from backend.mounts import mount_table, mounts_under, unmount
+from nbd.atomicfile import write_atomically
 
 log = logging.getLogger("moorage.backend.poolinit")
 
@@ -154,11 +155,4 @@ def _make_pool_image(image: Path, size: int) -> None:
 def _write_record(pool_dir: Path, record: LoopPoolRecord) -> None:
     path = pool_record_path(pool_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with temp.open("w") as f:
-        json.dump(asdict(record), f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fsync_path(path.parent)
+    write_atomically(path, json.dumps(asdict(record), indent=2) + "\n", mode=0o644)

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import grpc
 
-from csi import attach, capabilities, ephemeral, mounts, stage
+from csi import attach, capabilities, ephemeral, mounts, nodereconcile, stage, volumestats
 from csi.config import NODE_TOPOLOGY_KEY, NodeConfig
 from csi.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from csi.ids import NodeRef, node_id
+from csi.kubeletpaths import DEFAULT_ROOT, KubeletPaths, absolute, check_free, leave_alone
 from csi.locks import OperationLocks
-from csi.nodestate import NodeState, Publication, StagedVolume
+from csi.nodestate import NodeState, Publication, StagedVolume, UnreadableRecord
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from csi.storagenodes import StorageNodes
@@ -42,17 +43,6 @@ POD_KEYS = {
     "csi.storage.k8s.io/pod.uid": "uid",
 }
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
-# Each FUSE-attached volume is a process of its own; budget its memory.
-FUSE_ATTACHMENT_BYTES = 64 << 20
-MAX_FUSE_ATTACHMENTS = 1024
-
-
-def _absolute(value: str, what: str) -> Path:
-    if not value:
-        raise InvalidArgument(f"{what} is missing")
-    if not value.startswith("/") or "\0" in value or len(value.encode()) > 4096:
-        raise InvalidArgument(f"{what} {value[:140]!r} is not an absolute path")
-    return Path(os.path.normpath(value))
 
 
 def _require(value: str, what: str) -> str:
@@ -80,22 +70,6 @@ def _pod(context: dict[str, str]) -> dict[str, str]:
     return {short: context[key] for key, short in POD_KEYS.items() if context.get(key)}
 
 
-def _max_volumes(plan: attach.Plan) -> int:
-    """How many volumes this host can attach: the nbd module's device count on
-    the kernel path; on the FUSE path, what memory allows one process each."""
-    if plan.block == "kernel-nbd":
-        try:
-            return int(Path("/sys/module/nbd/parameters/nbds_max").read_text())
-        except (OSError, ValueError):
-            return 16  # the module's default
-    try:
-        meminfo = Path("/proc/meminfo").read_text().split()
-        total = int(meminfo[meminfo.index("MemTotal:") + 1]) * 1024
-    except (OSError, ValueError):
-        return 0
-    return max(1, min(MAX_FUSE_ATTACHMENTS, total // FUSE_ATTACHMENT_BYTES))
-
-
 class NodeService(pb_grpc.NodeServicer):
     def __init__(
         self,
@@ -105,13 +79,17 @@ class NodeService(pb_grpc.NodeServicer):
         state_dir: Path,
         plan: attach.Plan | None = None,
         storage_nodes: StorageNodes | None = None,
+        kubelet_dir: Path = DEFAULT_ROOT,
     ) -> None:
-        """``storage_nodes``: where ephemeral volumes are made (None: not served)."""
+        """``storage_nodes``: where ephemeral volumes are made (None: not served);
+        ``kubelet_dir``: kubelet's root, under which every path it hands us lies."""
         self.node_id = node_id(name, address)  # ValueError for a bad name or address
         self.me = NodeRef(name, self.node_id.rpartition("@")[2])
         self.storage_nodes = storage_nodes
         self.name = name
         self.topology = {**config.topology, NODE_TOPOLOGY_KEY: name}
+        self.io_timeout = config.io_timeout  # a StorageClass's ioTimeout overrides it
+        self.paths = KubeletPaths(kubelet_dir)  # ValueError for a relative one
         self.state = NodeState(state_dir)
         self.plan = plan or attach.probe()
         self.locks = OperationLocks()
@@ -127,11 +105,16 @@ class NodeService(pb_grpc.NodeServicer):
             log.warning("at start: %s", line)
 
     def reconcile(self) -> list[str]:
-        """What a restart finds: half-made attachments are undone; volumes whose
-        attachment or mount is gone (a reboot, a killed FUSE process) are
-        reported, and are repaired by kubelet's next stage and publish."""
+        """What a restart finds: half-made attachments are undone; unreadable
+        records are reported and left; records of nothing, or of a refused
+        path, are repaired (``csi.nodereconcile``); volumes whose attachment
+        or mount is gone (a reboot, a killed FUSE process) are reported, and
+        are repaired by kubelet's next stage and publish."""
         report = attach.reconcile_block_attachments(self.state.attach_dir)
-        for record in self.state.all():
+        report += [str(e) for e in self.state.scan()[1]]
+        records, repaired = nodereconcile.repair(self.state, self.paths)
+        report += repaired
+        for record in records:
             for path in [record.staging_path, *record.published]:
                 problem = self._problem(record, Path(path))
                 if problem is not None:
@@ -145,7 +128,7 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodeGetInfoResponse:
         return pb.NodeGetInfoResponse(
             node_id=self.node_id,
-            max_volumes_per_node=_max_volumes(self.plan),
+            max_volumes_per_node=attach.max_volumes(self.plan),
             accessible_topology=pb.Topology(segments=self.topology),
         )
 
@@ -162,13 +145,14 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeStageVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodeStageVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
-        staging = _absolute(request.staging_target_path, "staging_target_path")
+        staging = self.paths.staging(request.staging_target_path)
         cap, access, flags = _capability(request)
         ctx = dict(request.publish_context)
         kind = ctx.get("type") or request.volume_context.get("type", "")
         read_only = cap.access_mode.mode in capabilities.READ_ONLY
-        with self.locks.hold(volume_id):
-            record = self.state.get(volume_id)
+        io_timeout = stage.io_timeout(request.volume_context, self.io_timeout)
+        with self.locks.hold(volume_id), nodereconcile.no_trace_of_failure(self.state, volume_id):
+            record = self._get(volume_id)
             if record is not None and (
                 record.staging_path != str(staging) or record.access != access
             ):
@@ -176,21 +160,39 @@ class NodeService(pb_grpc.NodeServicer):
                     f"volume {volume_id} is staged at {record.staging_path} for {record.access} "
                     "access"
                 )
+            if record is None:
+                check_free(staging, "staging_target_path")
             if kind == "nbd":
                 fs_type = request.volume_context.get("fsType", "")
                 self._stage_nbd(
-                    volume_id, staging, ctx, cap, access, flags, read_only, record, fs_type
+                    volume_id,
+                    staging,
+                    ctx,
+                    cap,
+                    access,
+                    flags,
+                    read_only,
+                    record,
+                    fs_type,
+                    io_timeout,
                 )
             elif kind in ("nfs", "nfs-external"):
                 if access != "mount":
                     raise InvalidArgument("an NFS volume has no block access")
+                if kind == "nfs-external":  # the export alone: no port of ours
+                    ctx = {k: ctx[k] for k in ("server", "exportPath") if k in ctx}
+                stage.check_nfs(ctx, self.plan, flags)  # before anything is recorded
                 record = record or StagedVolume(volume_id, str(staging), "nfs", access)
                 record.read_only = read_only
                 self.state.put(record)
-                if kind == "nfs-external":
-                    ctx = {"server": ctx["server"], "exportPath": ctx["exportPath"]}
                 record.nfs_source = stage.mount_nfs(
-                    ctx, staging, self.plan, flags, read_only, self._nfs_log(volume_id)
+                    ctx,
+                    staging,
+                    self.plan,
+                    flags,
+                    read_only,
+                    self._nfs_log(volume_id),
+                    io_timeout,
                 )
                 self.state.put(record)
             else:
@@ -212,6 +214,7 @@ class NodeService(pb_grpc.NodeServicer):
         read_only: bool,
         record: StagedVolume | None,
         fs_type: str,
+        io_timeout: float,
     ) -> None:
         uri = stage.nbd_uri(ctx)
         if record is None or record.uri != uri:
@@ -220,7 +223,7 @@ class NodeService(pb_grpc.NodeServicer):
             record = StagedVolume(volume_id, str(staging), "nbd", access, uri=uri)
         record.read_only = read_only
         self.state.put(record)  # before attaching: a restart knows what to undo
-        record.device = stage.attach_device(uri, self.state.attach_dir, self.plan)
+        record.device = stage.attach_device(uri, self.state.attach_dir, self.plan, io_timeout)
         self.state.put(record)
         if access == "block":
             stage.bind_device(record.device, staging)
@@ -230,6 +233,12 @@ class NodeService(pb_grpc.NodeServicer):
             )
         self.state.put(record)
 
+    def _get(self, volume_id: str) -> StagedVolume | None:
+        try:
+            return self.state.get(volume_id)
+        except UnreadableRecord as e:
+            raise FailedPrecondition(f"volume {volume_id}: {e}") from e
+
     def _nfs_log(self, volume_id: str) -> Path:
         digest = hashlib.sha256(volume_id.encode()).hexdigest()[:16]
         return self.state.root / "logs" / f"nfs-{digest}.log"
@@ -238,27 +247,29 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeUnstageVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodeUnstageVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
-        staging = _absolute(request.staging_target_path, "staging_target_path")
+        staging = self.paths.check(request.staging_target_path, "staging_target_path")
         with self.locks.hold(volume_id):
-            record = self.state.get(volume_id)
-            if record is None:
-                return pb.NodeUnstageVolumeResponse()  # nothing of ours is staged
+            record = self._get(volume_id)
+            if record is None or record.ephemeral or record.staging_path != str(staging):
+                elsewhere = f" (it is staged at {record.staging_path})" if record else ""
+                leave_alone(staging, f"volume {volume_id} is not staged at {staging}{elsewhere}")
+                return pb.NodeUnstageVolumeResponse()
             still = [t for t in record.published if mounts.mount_entry(t) is not None]
             if still:
                 raise FailedPrecondition(
                     f"volume {volume_id} is still published at {', '.join(still)}"
                 )
             if record.access == "block":
-                device_file = Path(record.staging_path) / stage.DEVICE_FILE
+                device_file = staging / stage.DEVICE_FILE
                 stage.unmount(device_file)
                 stage.remove_path(device_file)
             elif record.kind == "nfs":
                 try:
-                    attach.unmount_nfs(record.staging_path)
+                    attach.unmount_nfs(staging)
                 except attach.AttachError as e:
                     raise FailedPrecondition(str(e)) from e
             else:
-                stage.unmount(Path(record.staging_path))
+                stage.unmount(staging)
             if record.uri:
                 stage.detach_device(record.uri, self.state.attach_dir)
             self.state.remove(volume_id)
@@ -271,7 +282,7 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodePublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodePublishVolumeResponse:
         volume_id = _require(request.volume_id, "volume_id")
-        target = _absolute(request.target_path, "target_path")
+        target = self.paths.check(request.target_path, "target_path")
         cap, access, flags = _capability(request)
         read_only = request.readonly or cap.access_mode.mode in capabilities.READ_ONLY
         pod = _pod(dict(request.volume_context))
@@ -280,9 +291,9 @@ class NodeService(pb_grpc.NodeServicer):
                 raise InvalidArgument("an ephemeral inline volume is a filesystem (mount access)")
             self._publish_ephemeral(request, target, flags, read_only, pod)
             return pb.NodePublishVolumeResponse()
-        staging = _absolute(request.staging_target_path, "staging_target_path")
+        staging = absolute(request.staging_target_path, "staging_target_path")
         with self.locks.hold(volume_id):
-            record = self.state.get(volume_id)
+            record = self._get(volume_id)
             if record is None or record.staging_path != str(staging):
                 raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}")
             if record.access != access:
@@ -295,6 +306,8 @@ class NodeService(pb_grpc.NodeServicer):
                     f"volume {volume_id} is published at {target} "
                     f"{'read-only' if known.read_only else 'read-write'}"
                 )
+            if known is None and not self._bind_of(record, target):
+                check_free(target, "target_path", file_ok=access == "block")
             record.published[str(target)] = Publication(str(target), read_only, pod)
             self.state.put(record)
             if access == "block":
@@ -329,10 +342,11 @@ class NodeService(pb_grpc.NodeServicer):
         spec = ephemeral.parse(request.volume_context)
         volume_id = request.volume_id
         with self.locks.hold(volume_id):
-            record = self.state.get(volume_id)
+            record = self._get(volume_id)
             if record is not None and record.staging_path != str(target):
                 raise AlreadyExists(f"ephemeral volume {volume_id} is at {record.staging_path}")
             if record is None:
+                check_free(target, "target_path")
                 record = StagedVolume(
                     volume_id, str(target), spec.kind, "mount", ephemeral=True,
                     fs_type=spec.fs_type,
@@ -347,12 +361,20 @@ class NodeService(pb_grpc.NodeServicer):
             if spec.kind == "nbd":
                 record.uri = stage.nbd_uri(ctx)
                 self.state.put(record)
-                record.device = stage.attach_device(record.uri, self.state.attach_dir, self.plan)
+                record.device = stage.attach_device(
+                    record.uri, self.state.attach_dir, self.plan, self.io_timeout
+                )
                 self.state.put(record)
                 stage.mount_filesystem(record.device, target, spec.fs_type, flags, read_only)
             else:
                 record.nfs_source = stage.mount_nfs(
-                    ctx, target, self.plan, flags, read_only, self._nfs_log(volume_id)
+                    ctx,
+                    target,
+                    self.plan,
+                    flags,
+                    read_only,
+                    self._nfs_log(volume_id),
+                    self.io_timeout,
                 )
                 self.state.put(record)
         log.info(
@@ -383,31 +405,46 @@ class NodeService(pb_grpc.NodeServicer):
     def NodeUnpublishVolume(
         self, request: pb.NodeUnpublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.NodeUnpublishVolumeResponse:
-        """Unmount the pod's target and remove it.  A target that is not mounted
-        (never published, or already unpublished) is success.  An ephemeral
-        volume is then detached and deleted from its storage node."""
+        """Unmount the pod's target and remove it, when the node state records it
+        for this volume (or it holds a bind of the volume's own staging mount).
+        Nothing at the target is success (never published, or unpublished
+        already); anything else there is NOT_FOUND, and left as it is.  An
+        ephemeral volume is then detached and deleted from its storage node."""
         volume_id = _require(request.volume_id, "volume_id")
-        target = _absolute(request.target_path, "target_path")
+        target = self.paths.check(request.target_path, "target_path")
         with self.locks.hold(volume_id):
+            record = self._get(volume_id)
+            ephemeral = (
+                record is not None and record.ephemeral and record.staging_path == str(target)
+            )
+            if record is None or not (
+                ephemeral or str(target) in record.published or self._bind_of(record, target)
+            ):
+                leave_alone(target, f"volume {volume_id} is not published at {target}")
+                return pb.NodeUnpublishVolumeResponse()
             stage.unmount(target)
             stage.remove_path(target)
-            record = self.state.get(volume_id)
-            if record is not None and record.ephemeral and record.staging_path == str(target):
+            if ephemeral:
                 self._unpublish_ephemeral(record)
-            elif record is not None and record.published.pop(str(target), None) is not None:
-                self.state.put(record, durable=False)  # the target is unmounted already
+            elif record.published.pop(str(target), None) is not None:
+                self.state.put(record)
         log.info("volume %s unpublished from %s", volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
+
+    def _bind_of(self, record: StagedVolume, target: Path) -> bool:
+        """Whether ``target`` holds a bind of the volume's staging mount."""
+        staging = Path(record.staging_path)
+        return not record.ephemeral and stage.is_bind_of(target, staging, record.access)
 
     # -- stats and expansion
 
     def _record_at(self, volume_id: str, volume_path: str) -> tuple[StagedVolume, Path]:
-        record = self.state.get(volume_id)
+        record = self._get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} is not staged on this node")
         if not volume_path.startswith("/"):  # kubelet's paths are absolute: none of ours
             raise NotFound(f"volume {volume_id} is not at {volume_path[:140]!r}")
-        path = _absolute(volume_path, "volume_path")
+        path = absolute(volume_path, "volume_path")
         if str(path) != record.staging_path and str(path) not in record.published:
             raise NotFound(f"volume {volume_id} is neither staged nor published at {path}")
         if not path.exists():
@@ -415,16 +452,7 @@ class NodeService(pb_grpc.NodeServicer):
         return record, path
 
     def _problem(self, record: StagedVolume, path: Path) -> str | None:
-        if record.uri:
-            problem = attach.block_attachment_problem(record.uri, self.state.attach_dir)
-            if problem is not None:
-                return problem
-        mounted = path
-        if record.access == "block" and str(path) == record.staging_path:
-            mounted = path / stage.DEVICE_FILE
-        if mounts.mount_entry(mounted) is None:
-            return f"{mounted} is not mounted any more: unpublish and publish (or restage) it"
-        return None
+        return volumestats.problem(record, path, self.state.attach_dir)
 
     def NodeGetVolumeStats(
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.ServicerContext
@@ -432,12 +460,17 @@ class NodeService(pb_grpc.NodeServicer):
         volume_id = _require(request.volume_id, "volume_id")
         if not request.volume_path:
             raise InvalidArgument("volume_path is missing")
+        try:
+            self.state.get(volume_id)
+        except UnreadableRecord as e:  # the volume's condition: its record says nothing
+            condition = pb.VolumeCondition(abnormal=True, message=str(e))
+            return pb.NodeGetVolumeStatsResponse(volume_condition=condition)
         record, path = self._record_at(volume_id, request.volume_path)
         problem = self._problem(record, path)
         usage: list[pb.VolumeUsage] = []
         if problem is None:
             try:
-                usage = _usage(record, path)
+                usage = volumestats.usage(record, path)
             except OSError as e:
                 problem = f"{path} cannot be read: {e.strerror}"
         condition = pb.VolumeCondition(abnormal=problem is not None, message=problem or "ok")
@@ -467,31 +500,3 @@ class NodeService(pb_grpc.NodeServicer):
                     raise FailedPrecondition(f"growing the filesystem failed: {e}") from e
         log.info("volume %s expanded on this node to %d bytes", volume_id, size)
         return pb.NodeExpandVolumeResponse(capacity_bytes=size)
-
-
-def _usage(record: StagedVolume, path: Path) -> list[pb.VolumeUsage]:
-    if record.access == "block":
-        device = path / stage.DEVICE_FILE if str(path) == record.staging_path else path
-        fd = os.open(device, os.O_RDONLY)
-        try:
-            size = os.lseek(fd, 0, os.SEEK_END)
-        finally:
-            os.close(fd)
-        return [pb.VolumeUsage(unit=pb.VolumeUsage.BYTES, total=size)]
-    st = os.statvfs(path)
-    total = st.f_blocks * st.f_frsize
-    available = st.f_bavail * st.f_frsize
-    return [
-        pb.VolumeUsage(
-            unit=pb.VolumeUsage.BYTES,
-            total=total,
-            available=available,
-            used=(st.f_blocks - st.f_bfree) * st.f_frsize,
-        ),
-        pb.VolumeUsage(
-            unit=pb.VolumeUsage.INODES,
-            total=st.f_files,
-            available=st.f_favail,
-            used=st.f_files - st.f_ffree,
-        ),
-    ]

@@ -1,12 +1,14 @@
 """What the node plugin has staged and published, kept on disk across restarts.
 
 One JSON file per staged volume under ``STATE_DIR/volumes/``, named by a
-digest of the volume id, written to a temporary name and renamed (a crash
-leaves the old record or the new one, never half of one).  A record is
-written *before* the step it describes is taken and updated after, so a
-plugin that restarts finds every attachment, mount and bind it made, and
-unstage/unpublish can undo them.  The attachments themselves are recorded
-by ``csi.attach`` under ``STATE_DIR/attach``.
+digest of the volume id, replaced whole and durably
+(``nbd.atomicfile``: a crash leaves the old record or the new one, never
+half of one).  A record is written *before* the step it describes is taken
+and updated after, so a plugin that restarts finds every attachment, mount
+and bind it made, and unstage/unpublish can undo them.  A record that cannot
+be read is :class:`UnreadableRecord`, never taken for "nothing staged": the
+plugin reports it and leaves it for the operator.  The attachments
+themselves are recorded by ``csi.attach`` under ``STATE_DIR/attach``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from nbd.atomicfile import fsync_directory, write_atomically
 
 
 @dataclass
@@ -52,6 +55,30 @@ class StagedVolume:
         return cls(**data, published=pubs)
 
 
+class UnreadableRecord(Exception):
+    """A node state file that exists but does not parse as a record."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"node state file {path} is unreadable ({reason}): nothing of it is undone "
+            "or replaced; repair or remove the file"
+        )
+        self.path = path
+
+
+def _parse(path: Path) -> StagedVolume:
+    """The record in ``path``; FileNotFoundError, or :class:`UnreadableRecord`."""
+    try:
+        data = json.loads(path.read_bytes())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return StagedVolume.from_dict(data)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise UnreadableRecord(path, str(e)[:200]) from e
+
+
 class NodeState:
     def __init__(self, state_dir: Path) -> None:
         self.root = state_dir
@@ -64,39 +91,39 @@ class NodeState:
         return self.volumes / f"{hashlib.sha256(volume_id.encode()).hexdigest()[:32]}.json"
 
     def get(self, volume_id: str) -> StagedVolume | None:
+        """The volume's record; None if there is none; :class:`UnreadableRecord`."""
         try:
-            data = json.loads(self._path(volume_id).read_text())
-            record = StagedVolume.from_dict(data)
+            record = _parse(self._path(volume_id))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError) as e:
-            raise OSError(f"node state of volume {volume_id} is unreadable: {e}") from e
         return record if record.volume_id == volume_id else None
 
-    def put(self, record: StagedVolume, durable: bool = True) -> None:
-        """Write the record.  ``durable=False`` skips the fsync, for updates whose
-        loss in a crash is harmless (a pod target already unmounted, still listed)."""
-        path = self._path(record.volume_id)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(record.to_json())
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        tmp.replace(path)
+    def put(self, record: StagedVolume) -> None:
+        """Write the record, atomically and durably (the directory fsynced too)."""
+        write_atomically(self._path(record.volume_id), record.to_json())
 
     def remove(self, volume_id: str) -> None:
+        path = self._path(volume_id)
         with contextlib.suppress(FileNotFoundError):
-            self._path(volume_id).unlink()
+            path.unlink()
+            fsync_directory(path.parent)
 
-    def all(self) -> list[StagedVolume]:
-        found = []
+    def scan(self) -> tuple[list[StagedVolume], list[UnreadableRecord]]:
+        """Every record, and every file that is not one."""
+        found: list[StagedVolume] = []
+        unreadable: list[UnreadableRecord] = []
         for path in sorted(self.volumes.glob("*.json")):
             try:
-                found.append(StagedVolume.from_dict(json.loads(path.read_text())))
-            except (OSError, ValueError, TypeError):
-                continue
-        return found
+                found.append(_parse(path))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except UnreadableRecord as e:
+                unreadable.append(e)
+        return found, unreadable
+
+    def all(self) -> list[StagedVolume]:
+        """Every readable record (:meth:`scan` also names the unreadable ones)."""
+        return self.scan()[0]
 
     def by_path(self, path: str) -> tuple[StagedVolume, Publication | None] | None:
         """The volume staged at, or published to, ``path``."""

@@ -6,16 +6,16 @@ Layout under ``conf_dir``::
     exports.d/export-<id>.conf   one EXPORT block each
 
 ganesha 4.3's ``%dir`` includes every regular file whose name matches the
-pattern, so a file is written to ``.export-<id>.conf.tmp`` (which does not
-match ``*.conf``) in the same directory, fsynced, then renamed over its final
-name: a SIGHUP at any moment sees either the old file or the new one, whole.
+pattern, so a file is written to ``.export-<id>.conf.<random>.tmp`` (which
+does not match ``*.conf``) in the same directory, fsynced, then renamed over
+its final name (``nbd.atomicfile``): a SIGHUP at any moment sees either the
+old file or the new one, whole.
 The catalog is the source of truth; :meth:`GaneshaFiles.sync` rebuilds the
 directory from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Iterable
@@ -31,6 +31,7 @@ from backend.ganesha.config import (
     render_main,
     safe_path,
 )
+from nbd.atomicfile import fsync_directory, write_atomically
 
 MAIN_FILE: Final = "ganesha.conf"
 EXPORT_DIR: Final = "exports.d"
@@ -46,29 +47,13 @@ def _export_id(name: str) -> int | None:
     return int(match.group(1))
 
 
-def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to a dot-named temp file beside ``path``, fsync, rename, fsync the dir."""
-    temp = path.with_name(f".{path.name}{_TEMP_SUFFIX}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-        raise
-    _fsync_dir(path.parent)
+def _write_atomically(path: Path, text: str) -> None:
+    """A dot-named temp file beside ``path`` (``.NAME.*.tmp``), fsync, rename, fsync the dir."""
+    write_atomically(path, text.encode("ascii"), mode=0o644)
 
 
 def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(directory)
 
 
 def _read_text(path: Path) -> str | None:

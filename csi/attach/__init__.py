@@ -28,7 +28,13 @@ from csi.attach.block import (
     refresh_block,
 )
 from csi.attach.errors import AttachError, PathUnavailable
-from csi.attach.nfs import FUSE_NFS_FSTYPE, NFS_PORT, mount_nfs_export, unmount_nfs
+from csi.attach.nfs import (
+    FUSE_NFS_FSTYPE,
+    NFS_PORT,
+    mount_nfs_export,
+    unmount_nfs,
+    validate_export,
+)
 from csi.attach.paths import (
     BLOCK_PATH_ENV,
     BLOCK_PATHS,
@@ -37,6 +43,7 @@ from csi.attach.paths import (
     BlockPath,
     NFSPath,
     Plan,
+    max_volumes,
     probe,
 )
 
@@ -57,9 +64,11 @@ __all__ = [
     "block_attachment_problem",
     "detach_block",
     "list_block_attachments",
+    "max_volumes",
     "mount_nfs_export",
     "probe",
     "reconcile_block_attachments",
     "refresh_block",
     "unmount_nfs",
+    "validate_export",
 ]

@@ -92,7 +92,9 @@ def site(tmp_path: Path) -> Iterator[Site]:
     try:
         node.start()
         config = write_config(tmp_path / "csi.toml", [{"name": "sn-a", "address": node.address}])
-        plugin = CsiPlugin(tmp_path, "all", config, node_id="bench").start()
+        plugin = CsiPlugin(
+            tmp_path, "all", config, node_id="bench", extra_args=["--kubelet-dir", str(tmp_path)]
+        ).start()
         yield Site(node, plugin, tmp_path)
     finally:
         if plugin is not None:

@@ -35,31 +35,10 @@ from csi import attach, mounts
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.backend_node import BackendNode, make_node
-from tests.csi_plugin import CsiPlugin, write_config
+from tests.csi_plugin import CsiPlugin, Kubelet, write_config
 
 Mode = pb.VolumeCapability.AccessMode
 MIB = 1 << 20
-DRIVER = "csi.moorage.dev"
-
-
-@dataclass
-class Kubelet:
-    """kubelet's paths under ``root`` (its --root-dir)."""
-
-    root: Path
-
-    def global_mount(self, handle: str) -> Path:
-        digest = hashlib.sha256(handle.encode()).hexdigest()
-        return self.root / "plugins/kubernetes.io/csi" / DRIVER / digest / "globalmount"
-
-    def pod_target(self, pod: str, pv: str) -> Path:
-        return self.root / "pods" / pod / "volumes/kubernetes.io~csi" / pv / "mount"
-
-    def block_staging(self, pv: str) -> Path:
-        return self.root / "plugins/kubernetes.io/csi/volumeDevices/staging" / pv
-
-    def block_target(self, pod: str, pv: str) -> Path:
-        return self.root / "plugins/kubernetes.io/csi/volumeDevices/publish" / pv / pod
 
 
 @dataclass

@@ -56,8 +56,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         storage = [{"name": "sn-a", "address": node.address, "topology": {ZONE: "a"}}]
         config = write_config(root / "csi.toml", storage, NODE_SECTION)
         plugins.append(CsiPlugin(root, "controller", config).start())
-        plugins.append(CsiPlugin(root, "node", config).start())
-        plugins.append(CsiPlugin(root, "all", config).start())
+        # csi-sanity's staging and target directories are under ROOT/<run>
+        kubelet = ["--kubelet-dir", str(root)]
+        plugins.append(CsiPlugin(root, "node", config, extra_args=kubelet).start())
+        plugins.append(CsiPlugin(root, "all", config, extra_args=kubelet).start())
         yield Site(root, node, *plugins)
     finally:
         for p in plugins:

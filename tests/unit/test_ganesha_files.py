@@ -73,8 +73,10 @@ def test_export_file_is_replaced_by_rename_of_a_temp_name_ganesha_does_not_read(
 
     with mock.patch("backend.ganesha.files.os.replace", spy):
         files.write_export(export(4, "10.0.0.9"))
-    assert seen == [(".export-4.conf.tmp", "export-4.conf")]
-    assert not seen[0][0].endswith(".conf")  # %dir reads only *.conf
+    [(temp, final)] = seen
+    assert final == "export-4.conf"
+    assert temp.startswith(".export-4.conf.") and temp.endswith(".tmp"), temp
+    assert not temp.endswith(".conf")  # %dir reads only *.conf
 
 
 def test_failed_write_leaves_the_old_file_and_no_temp(files: GaneshaFiles) -> None:
