@@ -31,9 +31,10 @@ from csi.server import host_port
 log = logging.getLogger("moorage.csi.health")
 
 HEALTH_PATH = "/healthz"
-# A Probe asks every storage node in turn (5 s each at most); kubelet's own
-# probe timeout is what decides, this only bounds the call.
-PROBE_TIMEOUT = 30.0
+# A Probe answers from this process alone (csi/identity.py), at once; the
+# bound stays under the chart's livenessProbe timeoutSeconds (5), so that a
+# plugin too busy to answer gets a 500 with the reason, not a kubelet timeout.
+PROBE_TIMEOUT = 4.0
 
 
 @dataclass(frozen=True)

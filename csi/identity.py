@@ -1,9 +1,20 @@
-"""The CSI Identity service: who the plugin is, what it offers, whether it is ready."""
+"""The CSI Identity service: who the plugin is, what it offers, whether it is ready.
+
+Probe answers for this process only: it is ready once the gRPC server
+answers and each of its readiness checks passes (the node plugin's state
+directory is usable).  It never calls a storage node: kubelet restarts a
+container whose liveness probe fails, and one storage node that is down
+must not restart every controller replica.  Storage-node health goes to
+``csi/storagenodehealth.py`` instead.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable, Sequence
 from importlib import metadata
+from pathlib import Path
 
 import grpc
 from google.protobuf import wrappers_pb2
@@ -11,12 +22,31 @@ from google.protobuf import wrappers_pb2
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from csi.server import DRIVER_NAME
-from csi.storagenodes import StorageNodes
 
 PluginCap = pb.PluginCapability
 # Trailing metadata of a Probe that is not ready: one entry per reason.
 NOT_READY_METADATA = "moorage-not-ready"
 log = logging.getLogger("moorage.csi.identity")
+
+# A check of this process's own readiness: why it is not ready, or None.
+ReadinessCheck = Callable[[], str | None]
+
+
+def directory_usable(path: Path, what: str) -> ReadinessCheck:
+    """Ready while ``path`` is a directory this process can write in.
+
+    ``os.access`` asks the kernel, which answers EROFS on a read-only mount
+    even to root; nothing is written.
+    """
+
+    def check() -> str | None:
+        if not path.is_dir():
+            return f"{what} {path} is not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{what} {path} is not writable"
+        return None
+
+    return check
 
 
 def plugin_version() -> str:
@@ -27,9 +57,10 @@ def plugin_version() -> str:
 
 
 class IdentityService(pb_grpc.IdentityServicer):
-    def __init__(self, storage_nodes: StorageNodes | None) -> None:
-        """``storage_nodes`` is None where this plugin drives none (node mode)."""
-        self.storage_nodes = storage_nodes
+    def __init__(self, controller: bool, checks: Sequence[ReadinessCheck] = ()) -> None:
+        """``controller``: this process serves the Controller service."""
+        self.controller = controller
+        self.checks = tuple(checks)
 
     def GetPluginInfo(
         self, request: pb.GetPluginInfoRequest, context: grpc.ServicerContext
@@ -44,7 +75,7 @@ class IdentityService(pb_grpc.IdentityServicer):
                 volume_expansion=PluginCap.VolumeExpansion(type=PluginCap.VolumeExpansion.ONLINE)
             )
         ]
-        if self.storage_nodes is not None:
+        if self.controller:
             caps = [
                 PluginCap(service=PluginCap.Service(type=PluginCap.Service.CONTROLLER_SERVICE)),
                 PluginCap(
@@ -57,20 +88,14 @@ class IdentityService(pb_grpc.IdentityServicer):
         return pb.GetPluginCapabilitiesResponse(capabilities=caps)
 
     def Probe(self, request: pb.ProbeRequest, context: grpc.ServicerContext) -> pb.ProbeResponse:
-        """Ready when every configured storage node answers its Health call.
+        """Ready when every readiness check of this process passes.
 
-        The spec's Probe has no message field: a storage node that does not
-        answer is named in the response's trailing metadata and in the log.
+        The spec's Probe has no message field: a failed check's reason is in
+        the response's trailing metadata and in the log.
         """
-        if self.storage_nodes is None:
-            return pb.ProbeResponse(ready=wrappers_pb2.BoolValue(value=True))
-        down = [
-            h for h in (self.storage_nodes.health(n) for n in self.storage_nodes.names) if not h.ok
-        ]
-        for h in down:
-            log.warning("not ready: %s", h.message)
-        if down:
-            context.set_trailing_metadata(
-                tuple((NOT_READY_METADATA, h.message[:500]) for h in down)
-            )
-        return pb.ProbeResponse(ready=wrappers_pb2.BoolValue(value=not down))
+        problems = [p for p in (check() for check in self.checks) if p is not None]
+        for problem in problems:
+            log.warning("not ready: %s", problem)
+        if problems:
+            context.set_trailing_metadata(tuple((NOT_READY_METADATA, p[:500]) for p in problems))
+        return pb.ProbeResponse(ready=wrappers_pb2.BoolValue(value=not problems))

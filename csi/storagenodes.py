@@ -67,6 +67,8 @@ class StorageNodes:
         # Clients made from request secrets, least recently used dropped first.
         self._secret_clients: OrderedDict[str, BackendClient] = OrderedDict()
         self._lock = threading.Lock()
+        # The last answer of each node's Health call (csi/storagenodehealth.py asks).
+        self._seen: dict[str, Health] = {}
 
     @property
     def names(self) -> list[str]:
@@ -137,15 +139,28 @@ class StorageNodes:
             return fn(client)
 
     def health(self, name: str) -> Health:
+        """Ask ``name`` (at most ``PROBE_TIMEOUT``); the answer is kept for :meth:`problem`."""
+        result = self._ask_health(name)
+        with self._lock:
+            self._seen[name] = result
+        return result
+
+    def _ask_health(self, name: str) -> Health:
         try:
             h = self.client(name).health(timeout=PROBE_TIMEOUT)
         except grpc.RpcError as e:
             return Health(name, False, from_backend(e, name).message)
         except CsiError as e:
             return Health(name, False, e.message)
-        # A node low on space is not ok but still serves: the plugin stays
-        # ready (serving is absent, so false, from a node that predates it).
+        # A node low on space is not ok but still serves: it counts as up
+        # (serving is absent, so false, from a node that predates it).
         return Health(name, h.ok or h.serving, f"storage node {name}: {h.message}")
+
+    def problem(self, name: str) -> str | None:
+        """Why ``name`` was down at its last Health call; None if up or never asked."""
+        with self._lock:
+            seen = self._seen.get(name)
+        return None if seen is None or seen.ok else seen.message
 
     def close(self) -> None:
         with self._lock:

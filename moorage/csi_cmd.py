@@ -10,7 +10,8 @@ Node (beside node-driver-registrar, or registering itself with kubelet given
 ``--registration-dir``); ``all`` serves the three (development and
 csi-sanity).  ``--health-address`` serves the ``/healthz`` the livenessprobe
 sidecar would.  The configuration file is described in ``csi/config.py`` and
-docs/csi.md.
+docs/csi.md.  The node plugin starts only if its mounts under ``--kubelet-dir``
+reach the host (a shared mount: Bidirectional propagation in a pod).
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ def serve(
         envvar="MOORAGE_CSI_STATE_DIR",
         help="Node mode: what is staged and attached, kept across restarts.",
     ),
+    kubelet_dir: Path = typer.Option(
+        Path("/var/lib/kubelet"),
+        "--kubelet-dir",
+        envvar="KUBELET_DIR",
+        help="Node mode: kubelet's root directory (its --root-dir); every staging and "
+        "target path must lie under it.",
+    ),
+    allow_private_mounts: bool = typer.Option(
+        False,
+        "--allow-private-mounts",
+        help="Node mode: start even if mounts under --kubelet-dir do not propagate (only "
+        "for a plugin in kubelet's own mount namespace: development, never in a pod).",
+    ),
     registration_dir: Path | None = typer.Option(
         None,
         "--registration-dir",
@@ -79,6 +93,13 @@ def serve(
         None,
         "--health-address",
         help="Serve GET /healthz (the CSI Probe) on HOST:PORT, instead of livenessprobe.",
+    ),
+    check_interval: float = typer.Option(
+        15.0,
+        "--storage-node-check-interval",
+        min=0.1,
+        max=3600,
+        help="Controller mode: seconds between storage-node health checks (metrics and logs).",
     ),
 ) -> None:
     """Serve the CSI plugin until SIGTERM or SIGINT."""
@@ -102,7 +123,7 @@ def serve(
     if mode in ("controller", "all") and not config.storage_nodes:
         raise _fail(f"--mode {mode} needs a --config naming at least one storage node")
     services: list[Any] = []
-    from csi.identity import IdentityService
+    from csi.identity import IdentityService, ReadinessCheck, directory_usable
     from csi.proto import csi_pb2_grpc as pb_grpc
 
     storage_nodes = None
@@ -114,7 +135,12 @@ def serve(
         services.append(
             (pb_grpc.add_ControllerServicer_to_server, ControllerService(storage_nodes))
         )
-    services.append((pb_grpc.add_IdentityServicer_to_server, IdentityService(storage_nodes)))
+    # Probe answers for this process only, never for a storage node (csi/identity.py)
+    checks: list[ReadinessCheck] = []
+    if mode in ("node", "all"):
+        checks.append(directory_usable(state_dir, "state directory"))
+    identity = IdentityService(controller=storage_nodes is not None, checks=checks)
+    services.append((pb_grpc.add_IdentityServicer_to_server, identity))
     if mode in ("node", "all"):
         from csi.node import NodeService
 
@@ -129,6 +155,8 @@ def serve(
             raise _fail(str(e)) from None
         if not node_id or not address:
             raise _fail(f"--mode {mode} needs --node-id and --node-address (or node.address)")
+        # before anything is mounted: a restart must not strand what it cannot reach
+        _check_propagation(kubelet_dir, allow_private_mounts)
         try:
             ephemeral_nodes = storage_nodes
             if ephemeral_nodes is None and config.storage_nodes:
@@ -136,7 +164,12 @@ def serve(
 
                 ephemeral_nodes = StorageNodes(config)
             node = NodeService(
-                node_id, address, config.node, state_dir, storage_nodes=ephemeral_nodes
+                node_id,
+                address,
+                config.node,
+                state_dir,
+                storage_nodes=ephemeral_nodes,
+                kubelet_dir=kubelet_dir,
             )
             services.append((pb_grpc.add_NodeServicer_to_server, node))
         except (ValueError, OSError) as e:
@@ -166,6 +199,12 @@ def serve(
         if metrics_address:
             start_metrics(metrics_address)
         running.callback(start_server(endpoint, add).stop)
+        if storage_nodes is not None:
+            from csi.storagenodehealth import StorageNodeHealth
+
+            watch = StorageNodeHealth(storage_nodes, check_interval)
+            watch.start()
+            running.callback(watch.stop)
         if health_address:
             from csi.health import start_health
 
@@ -188,6 +227,27 @@ def serve(
         # as node-driver-registrar does: the container restarts and kubelet retries
         log.error("stopping: kubelet refused the registration (%s)", refusals[0])
         raise typer.Exit(1)
+
+
+def _check_propagation(kubelet_dir: Path, allow_private: bool) -> None:
+    """Refuse to start when mounts under ``kubelet_dir`` would not reach kubelet."""
+    from csi.mounts import PropagationError, check_propagation
+
+    if not kubelet_dir.is_absolute():
+        raise _fail(f"--kubelet-dir {str(kubelet_dir)[:80]!r} is not an absolute path")
+    if allow_private:
+        log.warning("--allow-private-mounts: mount propagation of %s is not checked", kubelet_dir)
+        return
+    try:
+        entry = check_propagation(kubelet_dir)
+    except PropagationError as e:
+        raise _fail(str(e)) from None
+    log.info(
+        "mounts under %s propagate (mount %s, peer group %s)",
+        kubelet_dir,
+        entry.mount_point,
+        entry.peer_group,
+    )
 
 
 def _registration_args(mode: str, directory: Path | None, kubelet_path: str | None) -> str | None:

@@ -78,6 +78,9 @@ def _start_plugin(state: Path, api_address: str) -> tuple[subprocess.Popen[bytes
         sys.executable, "-m", "moorage", "csi", "serve", "--endpoint", f"unix://{sock}",
         "--mode", "all", "--node-id", "demo-worker", "--node-address", "127.0.0.1",
         "--config", str(config), "--state-dir", str(csi_dir / "state"),
+        "--kubelet-dir", str(csi_dir / "kubelet"),
+        # the demo's mounts are made and used in this mount namespace: no propagation needed
+        "--allow-private-mounts",
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     log.close()

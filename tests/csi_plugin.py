@@ -1,7 +1,9 @@
-"""A real ``moorage csi serve`` process for tests, and a gRPC client of its socket."""
+"""A real ``moorage csi serve`` process for tests, a gRPC client of its socket,
+and kubelet's paths under a test's directory."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import grpc
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.conftest import REPO, stop_process
+
+DRIVER = "csi.moorage.dev"
 
 
 def write_config(path: Path, storage_nodes: Sequence[Mapping[str, object]], node: str = "") -> Path:
@@ -41,6 +45,26 @@ def _toml(value: object) -> str:
 
 
 @dataclass
+class Kubelet:
+    """kubelet's paths under ``root`` (its --root-dir)."""
+
+    root: Path
+
+    def global_mount(self, handle: str) -> Path:
+        digest = hashlib.sha256(handle.encode()).hexdigest()
+        return self.root / "plugins/kubernetes.io/csi" / DRIVER / digest / "globalmount"
+
+    def pod_target(self, pod: str, pv: str) -> Path:
+        return self.root / "pods" / pod / "volumes/kubernetes.io~csi" / pv / "mount"
+
+    def block_staging(self, pv: str) -> Path:
+        return self.root / "plugins/kubernetes.io/csi/volumeDevices/staging" / pv
+
+    def block_target(self, pod: str, pv: str) -> Path:
+        return self.root / "plugins/kubernetes.io/csi/volumeDevices/publish" / pv / pod
+
+
+@dataclass
 class CsiPlugin:
     root: Path
     mode: str = "controller"
@@ -48,6 +72,9 @@ class CsiPlugin:
     node_id: str = "node-a"
     node_address: str = "127.0.0.1"
     extra_args: list[str] = field(default_factory=list)
+    # the test host's root mount may be private, and the plugin's mounts are used
+    # in this mount namespace: the propagation check has tests of its own
+    allow_private_mounts: bool = True
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +100,12 @@ class CsiPlugin:
             # node mode keeps its state in the test's directory unless told otherwise
             if "--state-dir" not in self.extra_args:
                 argv += ["--state-dir", str(self.root / f"state-{self.mode}")]
+            # and takes kubelet's paths under it (ROOT/kubelet) unless told otherwise
+            if "--kubelet-dir" not in self.extra_args:
+                argv += ["--kubelet-dir", str(self.root / "kubelet")]
             argv += ["--node-id", self.node_id, "--node-address", self.node_address]
+            if self.allow_private_mounts:
+                argv.append("--allow-private-mounts")
         return argv + self.extra_args
 
     def start(self, timeout: float = 30) -> CsiPlugin:

@@ -8,6 +8,8 @@ The node's disk mechanics, one job a module:
   allowlist, filesystem types, paths, devices);
 - ``table``: what is mounted where (``/proc/self/mountinfo``);
 - ``mounting``: mount, bind mount, read-only remount, unmount;
+- ``propagation``: whether mounts made under a directory reach the host
+  (kubelet's directory, checked when the node plugin starts);
 - ``filesystems``: detect, format (only a blank device), grow, check;
 - ``errors``: :class:`MountError` (a tool failed: argv, exit status,
   stderr), :class:`FilesystemError` (a device or mount in a state the
@@ -37,10 +39,12 @@ from csi.mounts.filesystems import (
     grow_filesystem_offline,
 )
 from csi.mounts.mounting import bind_mount, mount, set_read_only, unmount
+from csi.mounts.propagation import PropagationError, check_propagation
 from csi.mounts.table import (
     MountEntry,
     MountInfo,
     is_mount_point,
+    mount_containing,
     mount_entries,
     mount_entry,
     mount_info,
@@ -59,7 +63,9 @@ __all__ = [
     "MountInfo",
     "MountOptionError",
     "OnlineGrowUnsupported",
+    "PropagationError",
     "bind_mount",
+    "check_propagation",
     "detect_filesystem",
     "format_device",
     "fsck",
@@ -67,6 +73,7 @@ __all__ = [
     "grow_filesystem_offline",
     "is_mount_point",
     "mount",
+    "mount_containing",
     "mount_entries",
     "mount_entry",
     "mount_info",

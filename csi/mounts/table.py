@@ -32,10 +32,29 @@ class MountEntry:
     fstype: str
     source: str
     super_options: tuple[str, ...]
+    # propagation tags: shared:N (a peer group), master:N (a slave of one), ...
+    optional_fields: tuple[str, ...] = ()
 
     @property
     def read_only(self) -> bool:
         return "ro" in self.mount_options or "ro" in self.super_options
+
+    @property
+    def peer_group(self) -> int | None:
+        """N of ``shared:N``: mounts made on this mount propagate to its peers."""
+        return _tag(self.optional_fields, "shared:")
+
+    @property
+    def master(self) -> int | None:
+        """N of ``master:N``: this mount receives the mounts of peer group N."""
+        return _tag(self.optional_fields, "master:")
+
+
+def _tag(fields: tuple[str, ...], prefix: str) -> int | None:
+    for tag in fields:
+        if tag.startswith(prefix) and tag[len(prefix) :].isdigit():
+            return int(tag[len(prefix) :])
+    return None
 
 
 class MountInfo(NamedTuple):
@@ -76,6 +95,7 @@ def parse_mountinfo(data: bytes) -> list[MountEntry]:
                     super_options=tuple(_unescape(fields[sep + 3]).split(","))
                     if len(fields) > sep + 3
                     else (),
+                    optional_fields=tuple(f.decode("ascii", "replace") for f in fields[6:sep]),
                 )
             )
         except (ValueError, IndexError):
@@ -97,6 +117,29 @@ def mount_entry(path: str | os.PathLike[str]) -> MountEntry | None:
         if entry.mount_point == target:
             found = entry  # later lines are mounted on top of earlier ones
     return found
+
+
+def mount_containing(path: str | os.PathLike[str]) -> MountEntry | None:
+    """The mount ``path`` lies on; for a path that does not exist yet, the mount
+    of its nearest existing parent (where it will be made). None if that mount is
+    not in this process's table (it lies outside our root)."""
+    target = Path(os.path.abspath(os.fspath(path)))
+    while True:
+        try:
+            fd = os.open(target, os.O_PATH | os.O_CLOEXEC)
+            break
+        except FileNotFoundError:
+            if target.parent == target:
+                raise
+            target = target.parent
+    try:
+        # exact, unlike a prefix match: overmounts and bind mounts are told apart
+        fdinfo = Path(f"/proc/self/fdinfo/{fd}").read_text()
+    finally:
+        os.close(fd)
+    fields = dict(line.split(":", 1) for line in fdinfo.splitlines() if ":" in line)
+    mount_id = int(fields["mnt_id"])
+    return next((e for e in mount_entries() if e.mount_id == mount_id), None)
 
 
 def is_mount_point(path: str | os.PathLike[str]) -> bool:

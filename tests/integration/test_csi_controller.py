@@ -122,7 +122,8 @@ def one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneNode]:
         node.start()
         port = free_port()
         storage = [{"name": "sn-a", "address": node.address, "topology": {ZONE: "a"}}]
-        csi = start_controller(root, storage, ["--metrics-address", f"127.0.0.1:{port}"])
+        extra = ["--metrics-address", f"127.0.0.1:{port}", "--storage-node-check-interval", "0.5"]
+        csi = start_controller(root, storage, extra)
         yield OneNode(node, csi, port)
     finally:
         if csi is not None:
@@ -449,9 +450,24 @@ def test_a_live_socket_is_refused_a_stale_one_replaced(one: OneNode, tmp_path: P
 # --------------------------------------------------- a storage node that dies
 
 
+def storage_node_up(one: OneNode) -> str:
+    """The controller's ``moorage_csi_storage_node_up`` sample for sn-a ("" before the first)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{one.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    prefix = 'moorage_csi_storage_node_up{storage_node="sn-a"} '
+    return next((line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)), "")
+
+
+def wait_for_up(one: OneNode, value: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while storage_node_up(one) != value:
+        assert time.monotonic() < deadline, f"storage_node_up never became {value}"
+        time.sleep(0.1)
+
+
 def test_a_killed_storage_node_is_unavailable_and_recovers(one: OneNode) -> None:
-    probe = one.csi.identity.Probe(pb.ProbeRequest(), timeout=30)
-    assert probe.ready.value
+    wait_for_up(one, "1.0")
+    ups = one.csi.plugin.log_text().count("up: storage node sn-a")
     one.node.kill()
     try:
         assert code_of(lambda: one.csi.create("while-down")) == grpc.StatusCode.UNAVAILABLE
@@ -459,16 +475,18 @@ def test_a_killed_storage_node_is_unavailable_and_recovers(one: OneNode) -> None
             code_of(lambda: one.csi.stub.ListVolumes(pb.ListVolumesRequest(), timeout=30))
             == grpc.StatusCode.UNAVAILABLE
         )
-        response, call = one.csi.identity.Probe.with_call(pb.ProbeRequest(), timeout=30)
-        assert not response.ready.value
-        assert any("sn-a" in v for k, v in call.trailing_metadata() if k == "moorage-not-ready")
+        # Probe answers for the plugin alone: ready, at once, with no reason attached
+        response, call = one.csi.identity.Probe.with_call(pb.ProbeRequest(), timeout=1)
+        assert response.ready.value
+        assert not [v for k, v in call.trailing_metadata() if k == "moorage-not-ready"]
+        # the storage node's state is in the metrics and the log instead
+        wait_for_up(one, "0.0")
+        assert "down: storage node sn-a" in one.csi.plugin.log_text()
     finally:
         one.node.start()
-    # ready again once the channel has reconnected (its backoff is at most 2 s)
-    deadline = time.monotonic() + 30
-    while not one.csi.identity.Probe(pb.ProbeRequest(), timeout=30).ready.value:
-        assert time.monotonic() < deadline, "the plugin never saw the storage node come back"
-        time.sleep(0.2)
+    # up again once the channel has reconnected (its backoff is at most 2 s)
+    wait_for_up(one, "1.0")
+    assert one.csi.plugin.log_text().count("up: storage node sn-a") == ups + 1
     assert one.csi.create("after-restart").volume_id.startswith("sn-a:")
 
 

@@ -17,11 +17,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 
+from csi.proto import csi_pb2 as pb
+from csi.proto import csi_pb2_grpc as pb_grpc
 from csi.proto import pluginregistration_pb2 as reg
 from csi.proto import pluginregistration_pb2_grpc as reg_grpc
 from tests.conftest import free_port
@@ -75,9 +78,9 @@ def plugin(tmp_path: Path) -> Iterator[CsiPlugin]:
         started.stop()
 
 
-def http_get(port: int, path: str) -> tuple[int, str]:
+def http_get(port: int, path: str, timeout: float = 30) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -190,18 +193,76 @@ def test_healthz_is_ok_while_the_plugin_serves_and_404_elsewhere(tmp_path: Path)
     assert "Probe" in node.log_text()
 
 
-def test_healthz_is_500_with_the_reason_when_probe_is_not_ready(tmp_path: Path) -> None:
-    # a controller whose one storage node does not answer: Probe says not ready
-    gone = tmp_path / "no-storage-node.sock"
-    config = write_config(tmp_path / "csi.toml", [{"name": "sn-gone", "address": f"unix:{gone}"}])
+def test_healthz_is_500_with_the_reason_when_the_state_dir_is_unusable(tmp_path: Path) -> None:
+    # the node plugin's own state: records cannot be written, so it is not ready
     port = free_port()
-    controller = CsiPlugin(
-        tmp_path, "controller", config, extra_args=["--health-address", f"127.0.0.1:{port}"]
-    )
-    controller.start()
+    node = CsiPlugin(tmp_path, "node", extra_args=["--health-address", f"127.0.0.1:{port}"])
+    node.start()
+    state = tmp_path / "state-node"
+    moved = tmp_path / "state-node.moved"
     try:
+        assert http_get(port, "/healthz") == (200, "ok")
+        state.rename(moved)
+        state.write_text("not a directory\n")
         status, body = http_get(port, "/healthz")
         assert status == 500
-        assert body.startswith("not ready: storage node sn-gone"), body
+        assert body == f"not ready: state directory {state} is not a directory", body
+        state.unlink()
+        moved.rename(state)
+        assert http_get(port, "/healthz") == (200, "ok")
     finally:
-        controller.stop()
+        node.stop()
+        if moved.exists():
+            state.unlink(missing_ok=True)
+            moved.rename(state)
+
+
+@contextmanager
+def silent_storage_node(path: Path) -> Iterator[None]:
+    """A socket that takes connections into its backlog and never answers."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        sock.listen(64)
+        yield
+    finally:
+        sock.close()
+        path.unlink(missing_ok=True)
+
+
+def metric_line(port: int, prefix: str) -> str:
+    status, text = http_get(port, "/metrics", timeout=10)
+    assert status == 200
+    return next((line for line in text.splitlines() if line.startswith(prefix)), "")
+
+
+def test_a_storage_node_that_does_not_answer_leaves_the_controller_ready(
+    tmp_path: Path,
+) -> None:
+    silent = tmp_path / "silent.sock"
+    config = write_config(
+        tmp_path / "csi.toml", [{"name": "sn-silent", "address": f"unix:{silent}"}]
+    )
+    health, metrics = free_port(), free_port()
+    args = ["--health-address", f"127.0.0.1:{health}", "--metrics-address", f"127.0.0.1:{metrics}"]
+    with silent_storage_node(silent):
+        controller = CsiPlugin(tmp_path, "controller", config, extra_args=args)
+        controller.start()
+        try:
+            # Probe (kubelet's default timeout is 1 s) and /healthz: ready, whatever
+            # the storage node does; its health call alone takes 5 s to time out
+            with controller.channel() as channel:
+                stub = pb_grpc.IdentityStub(channel)  # type: ignore[no-untyped-call]
+                for _ in range(3):
+                    assert stub.Probe(pb.ProbeRequest(), timeout=1).ready.value
+            assert http_get(health, "/healthz", timeout=1) == (200, "ok")
+            # the storage node's state: the gauge and one log line
+            up = 'moorage_csi_storage_node_up{storage_node="sn-silent"} '
+            deadline = time.monotonic() + 30
+            while metric_line(metrics, up) != up + "0.0":
+                assert time.monotonic() < deadline, "the gauge never said the node is down"
+                time.sleep(0.2)
+            assert controller.log_text().count("down: storage node sn-silent") == 1
+            assert http_get(health, "/healthz", timeout=1) == (200, "ok")
+        finally:
+            controller.stop()
