@@ -35,7 +35,7 @@ from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.reconcile import reconcile
 from backend.service import StorageService
 from nbd.exports import Export, ExportTable
-from nbd.server import NBDServer, ServerConfig
+from nbd.server import NBDServer, ServerConfig, open_tcp_listeners
 from nbd.tls import server_context
 
 log = logging.getLogger("moorage.backend")
@@ -246,7 +246,11 @@ async def run_daemon(
     exporter = DaemonExporter(files, supervisor, table, nbd, trio.lowlevel.current_trio_token())
 
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(nbd.serve_tcp, nbd_host, nbd_port)
+        # Bound now (its port is advertised), accepting only once reconcile has
+        # put every export back: a client reconnecting meanwhile waits in the
+        # listen queue instead of being told its export does not exist, which
+        # the FUSE block file takes as final (I/O fails at once).
+        listeners = await open_tcp_listeners(nbd_host, nbd_port)
         bound_port = listeners[0].socket.getsockname()[1]
         adv_host, adv_port = (
             split_host_port(config.nbd_advertise, "--nbd-advertise")
@@ -270,6 +274,7 @@ async def run_daemon(
         )
         repairs = await trio.to_thread.run_sync(reconcile, service, files)
         log.info("reconciled at start: %d repairs", len(repairs))
+        await nursery.start(nbd.serve, listeners)
 
         ganesha_scope = trio.CancelScope()
 

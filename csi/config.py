@@ -17,6 +17,7 @@ The file is TOML (Python's own ``tomllib`` reads it; no extra dependency)::
     # this node (node mode; optional in controller mode)
     [node]
     address = "10.0.0.21"                   # the IP storage nodes see this node as
+    io_timeout = 120                        # seconds I/O waits for a lost storage node
     [node.topology]
     "topology.csi.moorage.dev/zone" = "a"
 
@@ -64,9 +65,17 @@ class StorageNodeConfig:
     topology: Mapping[str, str] = field(default_factory=dict)
 
 
+# How long I/O on a staged volume waits for a storage node that went away
+# before it fails with EIO (fuse.nbdconnections.DEFAULT_IO_TIMEOUT; a
+# StorageClass's ioTimeout overrides it), and the most it may be.
+DEFAULT_IO_TIMEOUT = 120.0
+MAX_IO_TIMEOUT = 86400.0
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     address: str | None = None
+    io_timeout: float = DEFAULT_IO_TIMEOUT
     topology: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -191,9 +200,16 @@ def _node(table: object) -> NodeConfig:
     address = _take(t, "address", str, where)
     if address is not None:
         address = node_address(address, f"{where}.address")
+    io_timeout = _take(t, "io_timeout", float, where)
+    if io_timeout is not None and not 1 <= io_timeout <= MAX_IO_TIMEOUT:
+        raise ConfigError(f"{where}: io_timeout must be between 1 and {MAX_IO_TIMEOUT:.0f} seconds")
     topology = _topology(t.pop("topology", {}), f"{where} topology")
-    _no_more(t, where, "address, topology")
-    return NodeConfig(address=address, topology=topology)
+    _no_more(t, where, "address, io_timeout, topology")
+    return NodeConfig(
+        address=address,
+        io_timeout=DEFAULT_IO_TIMEOUT if io_timeout is None else io_timeout,
+        topology=topology,
+    )
 
 
 def node_address(value: str, where: str = "node address") -> str:

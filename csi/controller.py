@@ -139,6 +139,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                     f"fsType {params.fs_type} differs from the capability's {sorted(named)}"
                 )
             labels[messages.FS_TYPE_LABEL] = params.fs_type
+        if params.io_timeout:
+            labels[messages.IO_TIMEOUT_LABEL] = params.io_timeout
         if name != request.name:
             labels[NAME_LABEL] = request.name[:512]
         with self.locks.hold(f"name:{name}"):
@@ -240,7 +242,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                 volume=self._volume_message(node, v),
                 status=pb.ListVolumesResponse.VolumeStatus(
                     published_node_ids=messages.published_node_ids(v),
-                    volume_condition=messages.condition(v),
+                    volume_condition=messages.condition(v, self.nodes.problem(node)),
                 ),
             )
 
@@ -391,7 +393,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             volume=self._volume_message(ref.storage_node, v),
             status=pb.ControllerGetVolumeResponse.VolumeStatus(
                 published_node_ids=messages.published_node_ids(v),
-                volume_condition=messages.condition(v),
+                volume_condition=messages.condition(v, self.nodes.problem(ref.storage_node)),
             ),
         )
 

@@ -1,8 +1,9 @@
 """Storage-node objects as CSI messages, and the contexts handed to the node plugin.
 
 ``volume_context`` (set at CreateVolume, given back at every node call):
-``type`` (nbd|nfs), ``storageNode``, ``nfsFsType`` for nfs volumes, and
-``fsType`` for nbd volumes whose StorageClass named one.
+``type`` (nbd|nfs), ``storageNode``, ``nfsFsType`` for nfs volumes,
+``fsType`` for nbd volumes whose StorageClass named one, and ``ioTimeout``
+when the StorageClass named one.
 
 ``publish_context`` (from ControllerPublishVolume to the node's stage call):
 
@@ -25,6 +26,8 @@ from csi.proto import csi_pb2 as pb
 VOLUME_TYPES = {bpb.NBD: "nbd", bpb.NFS: "nfs"}
 # An nbd volume's StorageClass fsType, kept with the volume on the storage node.
 FS_TYPE_LABEL = "csi.moorage.dev/fs-type"
+# A StorageClass's ioTimeout, kept the same way.
+IO_TIMEOUT_LABEL = "csi.moorage.dev/io-timeout"
 BACKEND_TYPES = {"nbd": bpb.NBD, "nfs": bpb.NFS}
 
 
@@ -35,6 +38,8 @@ def volume(node: str, v: bpb.Volume, accessible: list[pb.Topology]) -> pb.Volume
         context["nfsFsType"] = v.fs_type
     elif v.labels.get(FS_TYPE_LABEL):
         context["fsType"] = v.labels[FS_TYPE_LABEL]
+    if v.labels.get(IO_TIMEOUT_LABEL):
+        context["ioTimeout"] = v.labels[IO_TIMEOUT_LABEL]
     source = None
     if v.source_snapshot_id:
         source = pb.VolumeContentSource(
@@ -55,7 +60,11 @@ def volume(node: str, v: bpb.Volume, accessible: list[pb.Topology]) -> pb.Volume
     )
 
 
-def condition(v: bpb.Volume) -> pb.VolumeCondition:
+def condition(v: bpb.Volume, node_problem: str | None = None) -> pb.VolumeCondition:
+    """The volume's state; abnormal too while its storage node was last seen down
+    (``node_problem``, from the background health checks)."""
+    if node_problem is not None:
+        return pb.VolumeCondition(abnormal=True, message=f"volume is {v.state}; {node_problem}")
     if v.state in ("ready", "expanding"):
         return pb.VolumeCondition(abnormal=False, message=f"volume is {v.state}")
     return pb.VolumeCondition(

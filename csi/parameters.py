@@ -13,6 +13,9 @@ What a StorageClass may say (``parameters``):
 ``storageNode``       place the volume on this storage node only
 ``iopsLimit``         NBD: requests per second over all connections (0: none)
 ``bandwidthLimit``    NBD: bytes per second (0: none); ``Ki``/``Mi``/``Gi`` suffixes
+``ioTimeout``         seconds (1-86400) I/O on a node waits for the storage node when it
+                      is gone, then fails with EIO; default: the node plugin's
+                      ``io_timeout`` (120)
 ``csi.storage.k8s.io/pvc/name``, ``.../pvc/namespace``, ``.../pv/name``
                       added by csi-provisioner (``--extra-create-metadata``);
                       kept as the volume's labels on the storage node
@@ -47,7 +50,8 @@ METADATA = {
 }
 RESERVED_PREFIX = "csi.storage.k8s.io/"
 MUTABLE = ("squash", "iopsLimit", "bandwidthLimit")
-KNOWN = ("type", "nfsFsType", "fsType", "storageNode", *MUTABLE, *METADATA)
+KNOWN = ("type", "nfsFsType", "fsType", "storageNode", "ioTimeout", *MUTABLE, *METADATA)
+MAX_IO_TIMEOUT = 86400
 BLOCK_FS_TYPES = ("ext4", "xfs")
 # The mutable keys as the storage node names them, by volume type.
 BACKEND_KEYS = {
@@ -67,6 +71,7 @@ class VolumeParameters:
     nfs_fs_type: str = "xfs"
     fs_type: str = ""  # nbd: the filesystem when the capability names none
     storage_node: str | None = None
+    io_timeout: str = ""  # seconds, checked; "": the node plugin's default
     mutable: Mapping[str, str] = field(default_factory=dict)  # CSI keys, checked values
     labels: Mapping[str, str] = field(default_factory=dict)
 
@@ -100,6 +105,15 @@ def check_mutable(params: Mapping[str, str], where: str = "mutable parameter") -
     return out
 
 
+def io_timeout(value: str, key: str = "ioTimeout") -> str:
+    """A number of seconds between 1 and a day, as digits."""
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_IO_TIMEOUT:
+        raise InvalidArgument(
+            f"{key} {value[:40]!r} is not a number of seconds from 1 to {MAX_IO_TIMEOUT}"
+        )
+    return str(int(value))
+
+
 def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParameters:
     # the prefix Kubernetes reserves for its own keys (secret references,
     # fstype): csi-provisioner strips them from CreateVolume but hands a
@@ -113,6 +127,7 @@ def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParame
     fs = _choice("nfsFsType", params.get("nfsFsType", "xfs"), FS_TYPES)
     block_fs = _choice("fsType", params["fsType"], BLOCK_FS_TYPES) if "fsType" in params else ""
     node = params.get("storageNode") or None
+    timeout = io_timeout(params["ioTimeout"]) if "ioTimeout" in params else ""
     from_class = check_mutable({k: params[k] for k in MUTABLE if k in params}, "parameter")
     from_request = check_mutable(mutable)
     for key in set(from_class) & set(from_request):
@@ -127,6 +142,7 @@ def parse(params: Mapping[str, str], mutable: Mapping[str, str]) -> VolumeParame
         nfs_fs_type=fs,
         fs_type=block_fs,
         storage_node=node,
+        io_timeout=timeout,
         mutable={**from_class, **from_request},
         labels=labels,
     )

@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from csi import attach, mounts
+from csi import attach, mounts, parameters
 from csi.errors import FailedPrecondition, Internal, InvalidArgument
+from csi.kubeletpaths import same_mount
 
 log = logging.getLogger("moorage.csi.node")
 
@@ -71,9 +72,15 @@ def _attach_error(e: Exception) -> Exception:
     return Internal(str(e))
 
 
-def attach_device(uri: str, state_dir: Path, plan: attach.Plan) -> str:
+def io_timeout(volume_context: Mapping[str, str], default: float) -> float:
+    """The volume's ioTimeout (its StorageClass's), else the plugin's ``default``."""
+    value = volume_context.get("ioTimeout", "")
+    return float(parameters.io_timeout(value)) if value else default
+
+
+def attach_device(uri: str, state_dir: Path, plan: attach.Plan, io_timeout: float) -> str:
     try:
-        return attach.attach_block(uri, state_dir, plan)
+        return attach.attach_block(uri, state_dir, plan, io_timeout=io_timeout)
     except attach.AttachError as e:
         raise _attach_error(e) from e
 
@@ -126,15 +133,11 @@ def bind_device(device: str, staging: Path) -> Path:
     return node
 
 
-def mount_nfs(
-    context: Mapping[str, str],
-    staging: Path,
-    plan: attach.Plan,
-    flags: Sequence[str],
-    read_only: bool,
-    log_file: Path,
-) -> str:
-    """Mount the NFS export of ``context`` on ``staging``; its ``SERVER:PATH``."""
+def check_nfs(
+    context: Mapping[str, str], plan: attach.Plan, flags: Sequence[str]
+) -> tuple[str, int, int | None, str]:
+    """The NFS export of ``context`` (server, port, MOUNT port, path), checked
+    with the mount flags, before anything is recorded; else INVALID_ARGUMENT."""
     try:
         server, port, path = (
             context["server"],
@@ -142,10 +145,13 @@ def mount_nfs(
             context["exportPath"],
         )
         mount_port = int(context["mountPort"]) if context.get("mountPort") else None
+        attach.validate_export(server, port, mount_port, path)
     except (KeyError, ValueError) as e:
         raise InvalidArgument(
             f"publish_context of an nfs volume lacks server/exportPath: {e}"
         ) from e
+    except attach.AttachError as e:
+        raise InvalidArgument(f"publish_context of an nfs volume: {e}") from e
     if plan.nfs == "fuse-nfs":
         refused = sorted(set(flags) - FUSE_NFS_OPTIONS)
         if refused:
@@ -153,12 +159,27 @@ def mount_nfs(
                 f"mount flags {refused} cannot be honoured by the FUSE NFS mount this node "
                 f"uses ({plan.nfs_reason}); it honours {sorted(FUSE_NFS_OPTIONS)}"
             )
+    return server, port, mount_port, path
+
+
+def mount_nfs(
+    context: Mapping[str, str],
+    staging: Path,
+    plan: attach.Plan,
+    flags: Sequence[str],
+    read_only: bool,
+    log_file: Path,
+    io_timeout: float,
+) -> str:
+    """Mount the NFS export of ``context`` on ``staging``; its ``SERVER:PATH``."""
+    server, port, mount_port, path = check_nfs(context, plan, flags)
+    if plan.nfs == "fuse-nfs":
         read_only = read_only or "ro" in flags
     staging.mkdir(parents=True, exist_ok=True)
     try:
         attach.mount_nfs_export(
             server, port, mount_port, path, staging, plan, read_only=read_only,
-            log_file=log_file, options=flags,
+            log_file=log_file, options=flags, io_timeout=io_timeout,
         )  # fmt: skip
     except attach.AttachError as e:
         raise _attach_error(e) from e
@@ -243,3 +264,12 @@ def _give(path: Path, gid: int) -> None:
         mode |= stat.S_IXGRP | stat.S_ISGID
     with contextlib.suppress(OSError):
         os.chmod(path, stat.S_IMODE(mode))
+
+
+def is_bind_of(target: Path, staging: Path, access: str) -> bool:
+    """Whether ``target`` (not the staging path itself) holds a bind of what is
+    staged at ``staging``: the same filesystem and root as its mount."""
+    staged = staging / DEVICE_FILE if access == "block" else staging
+    if target in (staging, staged):
+        return False
+    return same_mount(target, staged)

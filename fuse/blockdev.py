@@ -7,9 +7,11 @@ export's file; :func:`detach_fuse_block` undoes it.  Each attachment is a
 directory under ``STATE_DIR/fuse-block/`` named after the URI:
 
 - ``attachment.json``: the record (URI, mount point, process, device),
-  written before each step it describes is taken (``state`` "attaching"
-  until the device exists), so a caller that restarts finds everything it
-  made, whole or half-made;
+  written atomically and durably before each step it describes is taken
+  (``state`` "attaching" until the device exists), so a caller that
+  restarts finds everything it made, whole or half-made.  A record that
+  cannot be read is reported (:class:`UnreadableRecord`) and what it
+  describes is left as it is, never taken for a half-made attachment;
 - ``mnt/``: the FUSE mount (``mnt/disk`` is the export);
 - ``blockfile.log``: the FUSE process's log.
 
@@ -51,8 +53,9 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
-from fuse.nbdconnections import DEFAULT_CONNECTIONS
+from fuse.nbdconnections import DEFAULT_CONNECTIONS, DEFAULT_IO_TIMEOUT
 from fuse.process import await_ready
+from nbd.atomicfile import write_atomically
 
 log = logging.getLogger("moorage.fuse.blockdev")
 
@@ -69,6 +72,18 @@ class BlockAttachError(RuntimeError):
     """An attach or detach that did not happen, with the reason."""
 
 
+class UnreadableRecord(BlockAttachError):
+    """An attachment record that exists but cannot be read.  What it describes
+    (a process, a mount, a loop device) is unknown, so it is neither listed
+    nor undone: it is reported, and left for the operator."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"attachment record {path} is unreadable ({reason[:200]}): its FUSE process "
+            "and loop device are left as they are; repair or remove the file"
+        )
+
+
 @dataclass(frozen=True)
 class Attachment:
     """An export attached as ``device`` through the FUSE process ``pid``."""
@@ -79,6 +94,7 @@ class Attachment:
     pid: int
     pid_start: int = 0  # the process's start time (clock ticks after boot)
     connections: int = DEFAULT_CONNECTIONS
+    io_timeout: float = DEFAULT_IO_TIMEOUT  # seconds I/O waits for a lost server
 
     @property
     def file(self) -> str:
@@ -104,28 +120,25 @@ def _key(uri: str) -> str:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` atomically and durably."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _read_record(directory: Path) -> dict[str, Any] | None:
+    """The attachment's record; None if it has none; :class:`UnreadableRecord`."""
+    path = directory / RECORD
     try:
-        data = json.loads((directory / RECORD).read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except ValueError as e:  # a torn write cannot happen (rename), a hand edit can
-        log.warning("%s: unreadable record: %s", directory, e)
-        return None
-    return data if isinstance(data, dict) else None
+    except (OSError, ValueError) as e:  # a torn write cannot happen (rename), damage can
+        raise UnreadableRecord(path, str(e)) from e
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        _attachment(data)
+    except (KeyError, ValueError, TypeError) as e:
+        raise UnreadableRecord(path, f"{type(e).__name__}: {e}") from e
+    return data
 
 
 def _attachment(data: dict[str, Any]) -> Attachment | None:
@@ -138,6 +151,7 @@ def _attachment(data: dict[str, Any]) -> Attachment | None:
         pid=int(data["pid"]),
         pid_start=int(data.get("pid_start", 0)),
         connections=int(data.get("connections", DEFAULT_CONNECTIONS)),
+        io_timeout=float(data.get("io_timeout") or DEFAULT_IO_TIMEOUT),
     )
 
 
@@ -158,11 +172,24 @@ def list_attachments(state_dir: str | os.PathLike[str]) -> list[Attachment]:
     if not root.is_dir():
         return []
     for directory in sorted(root.iterdir()):
-        data = _read_record(directory) if directory.is_dir() else None
+        try:
+            data = _read_record(directory) if directory.is_dir() else None
+        except UnreadableRecord:
+            continue  # reported by reconcile_attachments and record_problem
         attachment = _attachment(data) if data is not None else None
         if attachment is not None:
             found.append(attachment)
     return found
+
+
+def record_problem(uri: str, state_dir: str | os.PathLike[str]) -> str | None:
+    """Why the record of ``uri``'s attachment cannot be read (None: it can, or there is none)."""
+    directory = _root(state_dir) / _key(uri)
+    try:
+        _read_record(directory)
+    except UnreadableRecord as e:
+        return str(e)
+    return None
 
 
 # ------------------------------------------------------------------ processes, mounts
@@ -232,14 +259,12 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 
 def _start_blockfile(
-    uri: str, directory: Path, connections: int, timeout: float | None, ready_timeout: float
+    uri: str, directory: Path, connections: int, timeout: float, ready_timeout: float
 ) -> subprocess.Popen[bytes]:
     """``python -m fuse.blockfile`` on ``directory/mnt``, once it is ready."""
     mountpoint = directory / MOUNTPOINT
     argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
-    argv += ["--connections", str(connections)]
-    if timeout is not None:
-        argv += ["--timeout", str(timeout)]
+    argv += ["--connections", str(connections), "--timeout", str(timeout)]
     read_end, write_end = os.pipe()
     try:
         with (directory / LOG).open("ab") as log_file:
@@ -287,6 +312,24 @@ def _healthy(attachment: Attachment) -> bool:
     )
 
 
+def _still_ours(device: str, directory: Path) -> bool:
+    """Whether ``device``, recorded by the attachment in ``directory``, is still bound to
+    its FUSE file after the FUSE process died: its mount is gone, and the path with it
+    (sysfs then says ``/disk``, and the kernel cannot stat the file any more).  It is
+    ours unless another attachment records the same device (the number was reused)."""
+    if loop_backing_file(device) != f"/{DISK}":
+        return False
+    for other in directory.parent.iterdir():
+        if other != directory and other.is_dir():
+            try:
+                data = _read_record(other)
+            except UnreadableRecord:
+                continue
+            if data is not None and data.get("device") == device:
+                return False
+    return True
+
+
 def _undo(directory: Path, data: dict[str, Any] | None, timeout: float) -> bool:
     """Take down whatever of an attachment exists; True if anything did."""
     mountpoint = directory / MOUNTPOINT
@@ -294,7 +337,7 @@ def _undo(directory: Path, data: dict[str, Any] | None, timeout: float) -> bool:
     did = False
     devices = set(find_loops(file))
     recorded = data.get("device") if data else None
-    if recorded and loop_backing_file(recorded) == file:
+    if recorded and (loop_backing_file(recorded) == file or _still_ours(str(recorded), directory)):
         devices.add(str(recorded))
     for device in sorted(devices):
         did |= detach_loop(device)  # LoopBusy (mounted) propagates: the caller unmounts first
@@ -320,7 +363,7 @@ def attach_fuse_block(
     state_dir: str | os.PathLike[str],
     *,
     connections: int = DEFAULT_CONNECTIONS,
-    timeout: float | None = None,
+    timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     ready_timeout: float = READY_TIMEOUT,
 ) -> Attachment:
@@ -328,7 +371,8 @@ def attach_fuse_block(
 
     ``connections``: NBD connections when the server offers multi-conn.
     ``timeout``: how long I/O waits for a server that went away before it
-    fails (None: forever, like a hard mount).  ``direct_io``: the loop device
+    fails with EIO (a definitive answer, such as the export being gone, fails
+    it at once; see :mod:`fuse.nbdconnections`).  ``direct_io``: the loop device
     bypasses the page cache of the file (see :mod:`fuse.loop`).
     """
     if not uri.startswith(_URI_SCHEMES) or any(c in uri for c in "\0\n"):
@@ -349,6 +393,7 @@ def attach_fuse_block(
             "uri": uri,
             "mountpoint": os.fspath((directory / MOUNTPOINT).absolute()),
             "connections": connections,
+            "io_timeout": timeout,
             "state": "attaching",
             "pid": None,
             "pid_start": None,
@@ -384,7 +429,10 @@ def _find(state_dir: str | os.PathLike[str], device_or_uri: str) -> str | None:
     if not root.is_dir():
         return None
     for directory in root.iterdir():
-        data = _read_record(directory) if directory.is_dir() else None
+        try:
+            data = _read_record(directory) if directory.is_dir() else None
+        except UnreadableRecord:
+            continue  # its device is unknown
         if data is not None and data.get("device") == device_or_uri:
             return directory.name
     return None
@@ -440,7 +488,11 @@ def reconcile_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
         return []
     for directory in sorted(p for p in root.iterdir() if p.is_dir()):
         with _locked(state_dir, directory.name):
-            data = _read_record(directory)
+            try:
+                data = _read_record(directory)
+            except UnreadableRecord as e:
+                report.append(str(e))
+                continue
             attachment = _attachment(data) if data is not None else None
             if attachment is None:
                 _undo(directory, data, STOP_TIMEOUT)

@@ -55,7 +55,13 @@ from typing import Final, TypeVar, cast
 import pyfuse3
 import trio
 
-from fuse.nbdconnections import DEFAULT_CONNECTIONS, ExportConnections, ExportUnavailable
+from fuse.nbdconnections import (
+    DEFAULT_CONNECTIONS,
+    DEFAULT_IO_TIMEOUT,
+    MAX_IO_TIMEOUT,
+    ExportConnections,
+    ExportUnavailable,
+)
 from fuse.process import (
     EarlyStop,
     ReadySignal,
@@ -355,15 +361,20 @@ def mount_options(uri: str) -> set[str]:
 
 
 async def _serve(filesystem: BlockFile, ready: Callable[[], None] | None, early: EarlyStop) -> None:
-    def warn_open_files() -> None:
+    def terminating() -> None:
         if filesystem.open_files:
             log.warning("%d open file(s) lose the disk", filesystem.open_files)
+        # requests waiting for a lost server fail now, those in flight within seconds
+        filesystem.export.stop("the FUSE process is stopping")
 
     async def final_flush() -> None:
         with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
-            await filesystem.sync()
+            try:
+                await filesystem.sync()
+            except pyfuse3.FUSEError as e:
+                log.error("the last flush failed: %s", os.strerror(e.errno))
 
-    await run_fuse_loop(ready, early, on_terminate=warn_open_files, after_unmount=final_flush)
+    await run_fuse_loop(ready, early, on_terminate=terminating, after_unmount=final_flush)
 
 
 def serve(
@@ -371,7 +382,7 @@ def serve(
     mountpoint: str | os.PathLike[str],
     *,
     connections: int = DEFAULT_CONNECTIONS,
-    timeout: float | None = None,
+    timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     ready: Callable[[], None] | None = None,
 ) -> None:
@@ -418,7 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("mountpoint")
     parser.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS)
     parser.add_argument("--ready-fd", type=int, help='write "ready" here, not to stdout')
-    parser.add_argument("--timeout", type=float, help="seconds a request waits for the server")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_IO_TIMEOUT,
+        help="seconds a request waits for a server that went away, then EIO "
+        f"(default {DEFAULT_IO_TIMEOUT:.0f})",
+    )
     parser.add_argument("--no-direct-io", dest="direct_io", action="store_false")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -428,8 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.connections < 1:
             raise ValueError("--connections must be at least 1")
-        if args.timeout is not None and args.timeout <= 0:
-            raise ValueError("--timeout must be positive")
+        if not 0 < args.timeout <= MAX_IO_TIMEOUT:
+            raise ValueError(f"--timeout must be more than 0 and at most {MAX_IO_TIMEOUT:.0f}")
         serve(
             args.uri,
             args.mountpoint,

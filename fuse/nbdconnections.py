@@ -24,13 +24,29 @@ Choices, and why:
   filesystem on the loop device as a pause, never as an error.  Reads and
   writes are idempotent, and a FLUSH re-sent to a new connection covers
   every completed write (kill -9 of a server loses nothing it
-  acknowledged).  ``timeout`` bounds the wait (then EIO), like ``soft``.
+  acknowledged).
+- **Bounded.** ``timeout`` bounds every wait, like kernel nbd's dead
+  connection timeout: a request waits at most that long for a connection
+  (or for the reply on one: a server that stops answering is a lost
+  connection), then fails with EIO; every connection attempt is bounded
+  too (:data:`CONNECT_TIMEOUT`).  A *definitive* answer fails at once, and
+  so do other requests that would wait for a connection: the server says
+  the export does not exist (its volume was unpublished or deleted) or is
+  not for us, or the export's size became 0.  Such an answer is asked
+  again at most every :data:`RETRY_MAX` seconds, so an export published
+  again is used again.
+- **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
+  fails every request waiting for a connection at once and, after
+  :data:`STOP_GRACE` seconds, closes the connections, failing what is still
+  in flight: a process told to stop ends within seconds whatever the
+  server does.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
@@ -45,21 +61,57 @@ log = logging.getLogger("moorage.fuse.blockfile")
 DEFAULT_CONNECTIONS: Final = 4
 RETRY_FIRST: Final = 0.05  # seconds before the first reconnect
 RETRY_MAX: Final = 2.0
+# How long a request waits for a server that went away, unless told otherwise
+# (the CSI plugin's --io-timeout and a StorageClass's ioTimeout).
+DEFAULT_IO_TIMEOUT: Final = 120.0
+MAX_IO_TIMEOUT: Final = 86400.0
+CONNECT_TIMEOUT: Final = 10.0  # seconds one connection attempt (TCP, TLS, handshake) may take
+STOP_GRACE: Final = 3.0  # seconds requests in flight get once the process is told to stop
 # errors a connected handle reports when the server is going away
 _GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
+# a server's answer that retrying will not change: no such export (libnbd: ENOENT), not
+# for this client (EACCES, EPERM)
+DEFINITIVE: Final = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM})
 
 T = TypeVar("T")
 
 
 class ExportUnavailable(OSError):
-    """The server stayed unreachable for longer than the timeout."""
+    """No connection within the timeout, a definitive answer, or stopping: EIO."""
 
     def __init__(self, message: str) -> None:
         super().__init__(errno.EIO, message)
 
 
 class _Disconnected(Exception):
-    """The connection is gone (or could not be made): retry on a new one."""
+    """The connection is gone (or could not be made): retry on a new one, unless
+    the server's answer was definitive."""
+
+    def __init__(self, message: str, *, definitive: bool = False) -> None:
+        super().__init__(message)
+        self.definitive = definitive
+
+
+class _Attempt:
+    """One connection attempt in a worker thread, which its waiter may give up on."""
+
+    def __init__(self, connect: Callable[[str], NBDClient], uri: str) -> None:
+        self._connect = connect
+        self._uri = uri
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def run(self) -> NBDClient | None:
+        client = self._connect(self._uri)
+        with self._lock:
+            if not self._abandoned:
+                return client
+        client.close()  # nobody waits for it any more
+        return None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
 
 
 @dataclass
@@ -101,6 +153,10 @@ class ExportConnections:
         self._connect = connect
         self._slots = [_Slot(AioConnection(c), c.get_size(), c.can_multi_conn()) for c in clients]
         self._away = False
+        # the last definitive answer, and when (trio time) it came
+        self._refused: tuple[str, float] | None = None
+        self._stopping: str | None = None
+        self._changed = trio.Event()  # wakes requests waiting to retry
 
     @classmethod
     def open(
@@ -131,8 +187,8 @@ class ExportConnections:
 
     # -------------------------------------------------------------- connections
 
-    async def _connected(self, slot: _Slot) -> AioConnection:
-        """The slot's connection, made again first if it was lost."""
+    async def _connected(self, slot: _Slot, bound: float) -> AioConnection:
+        """The slot's connection, made again first if it was lost (within ``bound`` s)."""
         conn = slot.conn
         if conn is not None and conn.alive:
             return conn
@@ -143,14 +199,36 @@ class ExportConnections:
             if conn is not None:
                 conn.close()
                 slot.conn = None
-            try:
-                client = await trio.to_thread.run_sync(self._connect, self.uri)
-            except NBDError as e:
-                raise _Disconnected(str(e)) from e
-            slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
+            if self._stopping is not None:
+                raise _Disconnected(self._stopping, definitive=True)
+            refused = self._refused
+            if refused is not None and trio.current_time() - refused[1] < RETRY_MAX:
+                raise _Disconnected(refused[0], definitive=True)
+            client = await self._attempt(min(bound, CONNECT_TIMEOUT))
+            size = client.get_size()
+            if size == 0 and self.size != 0:
+                client.close()
+                raise _Disconnected("the export's size is now 0", definitive=True)
+            slot.size, slot.multi_conn = size, client.can_multi_conn()
             slot.conn = AioConnection(client)
+            self._refused = None
             self._note(slot)
             return slot.conn
+
+    async def _attempt(self, bound: float) -> NBDClient:
+        """A new connection in a worker thread, given up on after ``bound`` seconds."""
+        attempt = _Attempt(self._connect, self.uri)
+        client: NBDClient | None = None
+        with trio.move_on_after(max(bound, 0.0)):
+            try:
+                client = await trio.to_thread.run_sync(attempt.run, abandon_on_cancel=True)
+            except NBDError as e:
+                definitive = e.errno in DEFINITIVE
+                raise _Disconnected(str(e), definitive=definitive) from e
+        if client is None:
+            attempt.abandon()
+            raise _Disconnected(f"no connection within {bound:.1f}s")
+        return client
 
     def _least_busy(self) -> _Slot:
         def load(slot: _Slot) -> int:
@@ -161,21 +239,27 @@ class ExportConnections:
 
     async def _run_on(self, slot: _Slot | None, fn: Callable[[AioConnection], Awaitable[T]]) -> T:
         """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
-        is answered."""
+        is answered, the timeout passes or the answer is definitive."""
         first_failure: float | None = None
         delay = RETRY_FIRST
         while True:
             target = slot if slot is not None else self._least_busy()
+            now = trio.current_time()
+            waited = 0.0 if first_failure is None else now - first_failure
+            bound = CONNECT_TIMEOUT if self.timeout is None else self.timeout - waited
             try:
-                conn = await self._connected(target)
+                conn = await self._connected(target, bound)
                 try:
-                    result = await fn(conn)
+                    result = await self._answered(conn, fn)
                 except NBDError as e:
                     if conn.alive and e.errno not in _GONE:
                         raise  # the server's answer to this request
                     conn.close()
                     raise _Disconnected(str(e)) from e
             except _Disconnected as e:
+                if e.definitive:
+                    self._refuse(str(e))
+                    raise ExportUnavailable(f"{self.uri}: {e}") from None
                 now = trio.current_time()
                 if first_failure is None:
                     first_failure = now
@@ -188,13 +272,53 @@ class ExportConnections:
                         f"{self.uri}: no connection for {waited:.1f}s: {e}"
                     ) from None
                 pause = delay if self.timeout is None else min(delay, self.timeout - waited)
-                await trio.sleep(pause)
+                changed = self._changed
+                with trio.move_on_after(pause):
+                    await changed.wait()  # a definitive answer or stop: fail now
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             if self._away:
                 self._away = False
                 log.warning("%s: connected again", self.uri)
             return result
+
+    async def _answered(
+        self, conn: AioConnection, fn: Callable[[AioConnection], Awaitable[T]]
+    ) -> T:
+        """``fn(conn)``; a server that does not answer within the timeout has lost the
+        connection (closed here: what else was in flight on it is sent again)."""
+        if self.timeout is None:
+            return await fn(conn)
+        with trio.move_on_after(self.timeout):
+            return await fn(conn)
+        conn.close()
+        raise _Disconnected(f"no reply within {self.timeout:.1f}s")
+
+    def _refuse(self, reason: str) -> None:
+        """A definitive answer: requests waiting for a connection fail now."""
+        if self._refused is None:
+            log.error("%s: %s; requests fail with EIO", self.uri, reason)
+        self._refused = (reason, trio.current_time())
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def stop(self, reason: str = "stopping") -> None:
+        """Fail requests waiting for a connection now, and those in flight after
+        :data:`STOP_GRACE` seconds; no new connection is made.  From the trio thread."""
+        if self._stopping is not None:
+            return
+        self._stopping = reason
+        self._wake()
+        trio.lowlevel.spawn_system_task(self._close_after, STOP_GRACE)
+
+    async def _close_after(self, grace: float) -> None:
+        await trio.sleep(grace)
+        if any(s.conn is not None and s.conn.in_flight for s in self._slots):
+            log.warning("%s: requests still in flight after %.0fs: failing them", self.uri, grace)
+        self.close()
 
     def _note(self, slot: _Slot) -> None:
         """What a new connection was told: a new size, multi-conn withdrawn."""
@@ -236,8 +360,8 @@ class ExportConnections:
             async with slot.connecting:
                 old = slot.conn
                 try:
-                    client = await trio.to_thread.run_sync(self._connect, self.uri)
-                except NBDError as e:
+                    client = await self._attempt(CONNECT_TIMEOUT)
+                except _Disconnected as e:
                     log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
                     continue
                 slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()

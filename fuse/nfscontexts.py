@@ -7,11 +7,21 @@ Choices, and why:
   blocking calls in a worker thread, and gives it back, so at most that many
   calls are in flight and the FUSE loop never blocks.  Open files are NFSv3
   file handles, valid on every context.
-- **Hard mount.** libnfs reconnects forever unless ``timeout`` is given.
+- **Bounded.** libnfs reconnects for ever, and its own call timeout does
+  not end a call to a server that accepted it and stopped answering.  So
+  with ``timeout`` every call (waiting for a free context included) is
+  bounded here: past it the call fails with EIO and its thread is
+  abandoned; it gives its context back to the pool once libnfs returns (the
+  server answered again), so a mount whose server comes back has all its
+  connections again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -29,10 +39,11 @@ T = TypeVar("T")
 class ContextPool:
     """Mounted libnfs contexts, each lent to one worker thread at a time."""
 
-    def __init__(self, contexts: Sequence[NFSContext]) -> None:
+    def __init__(self, contexts: Sequence[NFSContext], timeout: float | None = None) -> None:
         if not contexts:
             raise ValueError("a context pool needs at least one context")
         self.size = len(contexts)
+        self.timeout = timeout
         self._send, self._idle = trio.open_memory_channel[NFSContext](self.size)
         for context in contexts:
             self._send.send_nowait(context)
@@ -57,29 +68,60 @@ class ContextPool:
             for context in contexts:
                 context.destroy()
             raise
-        return cls(contexts)
+        return cls(contexts, timeout)
 
     async def run(self, fn: Callable[[NFSContext], T]) -> T:
-        """``fn(context)`` in a worker thread; what it raises is raised here."""
-        context = await self._idle.receive()
-
+        """``fn(context)`` in a worker thread; what it raises is raised here.  Past the
+        timeout: OSError(EIO)."""
+        deadline = math.inf if self.timeout is None else trio.current_time() + self.timeout
+        context: NFSContext | None = None
+        with trio.move_on_at(deadline):
+            context = await self._idle.receive()
+        if context is None:
+            raise OSError(errno.EIO, f"no NFS connection free for {self.timeout}s")
+        lent = context
         results: list[T] = []
+        lock = threading.Lock()
+        state = {"abandoned": False, "done": False}
+        token = trio.lowlevel.current_trio_token()
+
+        def give_back() -> None:
+            # (the mount going away: nobody needs it)
+            with contextlib.suppress(
+                trio.RunFinishedError, trio.ClosedResourceError, trio.WouldBlock
+            ):
+                trio.from_thread.run_sync(self._send.send_nowait, lent, trio_token=token)
 
         def call() -> Exception | None:
             try:
-                results.append(fn(context))
+                results.append(fn(lent))
             except Exception as e:  # raised below, once the context is back in the pool
                 return e
+            finally:
+                with lock:
+                    state["done"] = True
+                    late = state["abandoned"]
+                if late:
+                    give_back()  # the server answered after all: the context is usable
             return None
 
-        # Abandoned on cancellation (shutdown): the thread may still be using
-        # the context, so it is never lent again, nor destroyed.  Its own
-        # limiter keeps these threads out of trio's default one.
-        error = await trio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._threads)
-        self._send.send_nowait(context)
-        if error is not None:
-            raise error
-        return results[0]
+        # Abandoned on cancellation (shutdown) or timeout: the thread may still be
+        # using the context, so it is lent again only once that thread is done.
+        # Its own limiter keeps these threads out of trio's default one.
+        with trio.move_on_at(deadline):
+            error = await trio.to_thread.run_sync(
+                call, abandon_on_cancel=True, limiter=self._threads
+            )
+            self._send.send_nowait(lent)
+            if error is not None:
+                raise error
+            return results[0]
+        with lock:
+            state["abandoned"] = True
+            finished = state["done"]
+        if finished:  # done between the timeout and now, without giving it back
+            self._send.send_nowait(lent)
+        raise OSError(errno.EIO, f"the NFS server did not answer within {self.timeout}s")
 
     def run_now(self, fn: Callable[[NFSContext], T]) -> T:
         """``fn(context)`` in this thread: only before the FUSE loop runs."""

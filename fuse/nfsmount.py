@@ -42,6 +42,11 @@ from fuse.process import (
 )
 
 log = logging.getLogger("moorage.fuse.nfs")
+# How long an NFS call waits for a server that went away before it fails
+# with EIO (the same bound as the block path's, fuse.nbdconnections), and
+# the most it may be.
+DEFAULT_IO_TIMEOUT: Final = 120.0
+MAX_IO_TIMEOUT: Final = 86400.0
 
 FSTYPE: Final = "moorage-nfs"  # the FUSE subtype: /proc/mounts says fuse.moorage-nfs
 DEFAULT_CONTEXTS: Final = 4
@@ -325,7 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int, help='write "ready" here, not to stdout')
     parser.add_argument("--contexts", type=int, default=DEFAULT_CONTEXTS, help="NFS connections")
     parser.add_argument("--cache-timeout", type=float, default=DEFAULT_CACHE_TIMEOUT)
-    parser.add_argument("--timeout", type=float, help="seconds per NFS call (default: retry)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_IO_TIMEOUT,
+        help="seconds an NFS call waits for a server that went away, then EIO "
+        f"(default {DEFAULT_IO_TIMEOUT:.0f})",
+    )
     parser.add_argument("--no-allow-other", dest="allow_other", action="store_false")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -336,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         export = NFSExport.parse(args.export, args.mount_port)
         if args.contexts < 1:
             raise ValueError("--contexts must be at least 1")
+        if not 0 < args.timeout <= MAX_IO_TIMEOUT:
+            raise ValueError(f"--timeout must be more than 0 and at most {MAX_IO_TIMEOUT:.0f}")
         serve(
             export,
             args.mountpoint,

@@ -3,8 +3,10 @@
 Readiness: the process writes one line, ``ready`` or ``error: <reason>``, to
 a pipe (or stdout) once its mount is in place or has failed; the starter
 reads that line with a deadline (EOF without a line: the process died).
-Signals: SIGTERM/SIGINT unmount gracefully, a second one abandons requests
-under way; one that arrives before the FUSE loop runs is remembered.
+Signals: SIGTERM/SIGINT unmount gracefully, a second one (or
+:data:`ABANDON_AFTER` seconds without the requests under way finishing)
+abandons them: a process told to stop ends within seconds, whatever its
+server does.  One that arrives before the FUSE loop runs is remembered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pyfuse3
 import trio
 
 READY: Final = b"ready\n"
+# Seconds the requests under way get after SIGTERM before they are abandoned.
+ABANDON_AFTER: Final = 6.0
 
 log = logging.getLogger("moorage.fuse")
 
@@ -109,9 +113,15 @@ async def run_fuse_loop(
     *,
     on_terminate: Callable[[], None] | None = None,
     after_unmount: Callable[[], Awaitable[None]] | None = None,
+    abandon_after: float = ABANDON_AFTER,
 ) -> None:
     """``pyfuse3.main()`` until the mount goes away, watching for stop signals."""
     terminating = trio.Event()
+
+    async def abandon_later() -> None:
+        await trio.sleep(abandon_after)
+        log.warning("requests still under way %.0fs after the signal: abandoned", abandon_after)
+        nursery.cancel_scope.cancel()
 
     async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -123,6 +133,7 @@ async def run_fuse_loop(
                     log.info("%s: unmounting", signal.Signals(signum).name)
                     terminating.set()
                     pyfuse3.terminate()  # graceful: requests under way are answered
+                    nursery.start_soon(abandon_later)
                 else:
                     log.warning("%s again: abandoning requests under way", signum)
                     nursery.cancel_scope.cancel()

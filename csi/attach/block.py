@@ -20,8 +20,10 @@ from typing import Any, Final
 
 from csi.attach.errors import AttachError, PathUnavailable
 from csi.attach.paths import BlockPath, Plan, pyfuse3_installed
+from csi.config import DEFAULT_IO_TIMEOUT
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
+from nbd.atomicfile import write_atomically
 
 KERNEL_STATE: Final = "kernel-nbd"  # subdirectory of the state dir for kernel attachments
 _NBD_DEVICE = re.compile(r"/dev/nbd(\d+)")
@@ -45,26 +47,36 @@ def _kernel_dir(state_dir: str | os.PathLike[str]) -> Path:
     return Path(state_dir) / KERNEL_STATE
 
 
-def _kernel_records(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
+def _kernel_scan(state_dir: str | os.PathLike[str]) -> tuple[list[BlockAttachment], list[str]]:
+    """The kernel attachment records, and one line for each file that is not one."""
     found: list[BlockAttachment] = []
+    unreadable: list[str] = []
     for record in sorted(_kernel_dir(state_dir).glob("nbd*.json")):
         try:
             data = json.loads(record.read_text())
             found.append(
                 BlockAttachment(device=str(data["device"]), uri=str(data["uri"]), path="kernel-nbd")
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # half-written or foreign: not ours to list
-    return found
+        except FileNotFoundError:
+            continue  # detached meanwhile
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # written atomically, so not half-written: damaged; left for the operator
+            unreadable.append(
+                f"attachment record {record} is unreadable ({str(e)[:200]}): its device is "
+                "neither listed nor detached; repair or remove the file"
+            )
+    return found, unreadable
+
+
+def _kernel_records(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
+    return _kernel_scan(state_dir)[0]
 
 
 def _write_kernel_record(state_dir: str | os.PathLike[str], device: str, uri: str) -> None:
     directory = _kernel_dir(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    name = Path(device).name
-    tmp = directory / f".{name}.json.tmp"
-    tmp.write_text(json.dumps({"device": device, "uri": uri}) + "\n")
-    tmp.replace(directory / f"{name}.json")
+    record = json.dumps({"device": device, "uri": uri}) + "\n"
+    write_atomically(directory / f"{Path(device).name}.json", record)
 
 
 def _kernel_connected(device: str) -> bool:
@@ -98,11 +110,15 @@ def attach_block(
     *,
     connections: int = 4,
     timeout: float = 30.0,
+    io_timeout: float = DEFAULT_IO_TIMEOUT,
 ) -> str:
     """Attach the NBD export at ``uri``; its block device ("/dev/nbdN" or "/dev/loopN").
 
     ``connections`` is for fuse-loop (NBD connections behind the FUSE file);
-    the kernel path uses one.  Already attached: its device.
+    the kernel path uses one.  ``timeout`` bounds connecting;  ``io_timeout``
+    is how long I/O waits for a server that went away before it fails with
+    EIO (the FUSE file's timeout; the kernel's request timeout and dead
+    connection timeout).  Already attached: its device.
     """
     if plan.block is None:
         raise PathUnavailable(f"no block path on this host: {plan.block_reason}")
@@ -119,22 +135,31 @@ def attach_block(
         from fuse import blockdev
 
         try:
-            attachment = blockdev.attach_fuse_block(uri, state_dir, connections=connections)
+            attachment = blockdev.attach_fuse_block(
+                uri, state_dir, connections=connections, timeout=io_timeout
+            )
         except (OSError, ValueError, RuntimeError) as e:
             raise AttachError(f"attaching {uri} through FUSE and a loop device failed: {e}") from e
         return attachment.device
     for a in existing:  # a kernel record whose device is gone: forget it
         _detach_kernel(a.device, state_dir)
-    return _attach_kernel(uri, state_dir, timeout)
+    return _attach_kernel(uri, state_dir, timeout, io_timeout)
 
 
-def _attach_kernel(uri: str, state_dir: str | os.PathLike[str], timeout: float) -> str:
+def _attach_kernel(
+    uri: str, state_dir: str | os.PathLike[str], timeout: float, io_timeout: float
+) -> str:
     try:
         negotiated = nbd_client.connect_uri(uri, timeout)
     except (OSError, ValueError, nbd_client.HandshakeError) as e:
         raise AttachError(f"connecting to {uri} failed: {e}") from e
+    seconds = max(1, round(io_timeout / 2))
     try:
-        device = nbd_kernel.attach_kernel(negotiated, backend_identifier=uri)
+        # a request unanswered for half the bound fails the connection; the device
+        # then waits the other half for a new one (NBD_CMD_RECONFIGURE), then fails I/O
+        device = nbd_kernel.attach_kernel(
+            negotiated, backend_identifier=uri, io_timeout=seconds, dead_conn_timeout=seconds
+        )
     except nbd_kernel.KernelNBDError as e:
         raise AttachError(f"attaching {uri} to the kernel's nbd driver failed: {e}") from e
     finally:
@@ -212,9 +237,10 @@ def refresh_block(uri: str, state_dir: str | os.PathLike[str], timeout: float = 
 def reconcile_block_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
     """At a restart: undo half-made attachments, report broken ones (left as
     they are: a filesystem may still be mounted on them).  One line each."""
-    report = [
+    records, report = _kernel_scan(state_dir)
+    report += [
         f"{a.uri} on {a.device}: lost its NBD connection"
-        for a in _kernel_records(state_dir)
+        for a in records
         if not _kernel_connected(a.device)
     ]
     if pyfuse3_installed() and Path(state_dir).exists():
@@ -226,9 +252,16 @@ def reconcile_block_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
 
 def block_attachment_problem(uri: str, state_dir: str | os.PathLike[str]) -> str | None:
     """Why the attachment of ``uri`` does not work (None: it does)."""
+    if pyfuse3_installed():
+        from fuse import blockdev
+
+        unreadable = blockdev.record_problem(uri, state_dir)
+        if unreadable is not None:
+            return unreadable
     found = [a for a in list_block_attachments(state_dir) if a.uri == uri]
     if not found:
-        return f"{uri} is not attached on this node"
+        damaged = _kernel_scan(state_dir)[1]  # named by device: one of them may be this URI's
+        return f"{uri} is not attached on this node" + "".join(f"; {d}" for d in damaged)
     a = found[0]
     if a.path == "kernel-nbd":
         return None if _kernel_connected(a.device) else f"{a.device} lost its NBD connection"

@@ -15,6 +15,7 @@ from typing import Final
 from csi import mounts
 from csi.attach.errors import AttachError, PathUnavailable
 from csi.attach.paths import KERNEL_NFS_FSTYPES, Plan
+from csi.config import DEFAULT_IO_TIMEOUT
 
 # The FUSE NFS mount's type in the mount table (fuse.nfsmount.FSTYPE, without importing pyfuse3)
 FUSE_NFS_FSTYPE: Final = "fuse.moorage-nfs"
@@ -24,7 +25,8 @@ _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _EXPORT_PATH = re.compile(r"/[A-Za-z0-9._/-]*")
 
 
-def _validate_export(server: str, port: int, mount_port: int | None, path: str) -> None:
+def validate_export(server: str, port: int, mount_port: int | None, path: str) -> None:
+    """AttachError unless the export is one this plugin would mount."""
     if not _HOST.fullmatch(server):
         raise AttachError(f"NFS server must be a host name or address: {server!r}")
     if not _EXPORT_PATH.fullmatch(path) or "/../" in f"{path}/":
@@ -50,12 +52,15 @@ def mount_nfs_export(
     read_only: bool = False,
     log_file: Path | None = None,
     options: Sequence[str] = (),
+    io_timeout: float = DEFAULT_IO_TIMEOUT,
 ) -> None:
     """Mount ``server:path`` on ``target`` by the plan's NFS path.
 
-    kernel-nfs: ``mount -t nfs4 -o port=PORT,vers=4.1[,ro],OPTIONS SERVER:PATH
-    TARGET`` (``mount_port`` is not used by NFSv4; an ``nfsvers``/``vers`` in
-    ``options`` replaces the 4.1).  The FUSE path takes no options: the
+    kernel-nfs: ``mount -t nfs4 -o port=PORT,vers=4.1,soft,timeo=T,retrans=2[,ro],OPTIONS
+    SERVER:PATH TARGET`` (``mount_port`` is not used by NFSv4; an
+    ``nfsvers``/``vers`` in ``options`` replaces the 4.1; ``hard``, ``soft``,
+    ``softerr``, ``timeo`` or ``retrans`` there replace ours; see
+    :func:`kernel_timeout_options`).  The FUSE path takes no options: the
     caller decides which it can honour.  fuse-nfs: ``fuse.nfsmount`` in a
     process of its own (NFSv3; ``mount_port`` None asks the portmapper),
     made read-only per mount when asked; that process inherits this one's
@@ -65,7 +70,7 @@ def mount_nfs_export(
     """
     if plan.nfs is None:
         raise PathUnavailable(f"no NFS path on this host: {plan.nfs_reason}")
-    _validate_export(server, port, mount_port, path)
+    validate_export(server, port, mount_port, path)
     target_path = os.path.abspath(target)
     existing = mounts.mount_entry(target_path)
     if existing is not None:
@@ -82,6 +87,7 @@ def mount_nfs_export(
         kernel_options = [
             f"port={port}",
             *([] if versioned else ["vers=4.1"]),
+            *kernel_timeout_options(io_timeout, extra),
             *extra,
             *(["ro"] if read_only else []),
         ]
@@ -93,7 +99,14 @@ def mount_nfs_export(
         if log_file is not None:
             log_file.parent.mkdir(parents=True, exist_ok=True)
         nfsmount.mount_nfs(
-            server, port, mount_port, path, target_path, foreground=False, log_file=log_file
+            server,
+            port,
+            mount_port,
+            path,
+            target_path,
+            foreground=False,
+            log_file=log_file,
+            timeout=io_timeout,
         )
     except (nfsmount.MountError, OSError, ValueError) as e:
         raise AttachError(str(e)) from e
@@ -103,6 +116,25 @@ def mount_nfs_export(
         except BaseException:
             mounts.unmount(target_path)  # never leave it writable when read-only was asked
             raise
+
+
+def kernel_timeout_options(io_timeout: float, options: Sequence[str]) -> list[str]:
+    """The kernel NFS client's options for failing I/O after about ``io_timeout`` s.
+
+    ``soft``: a request the server has not answered after its retransmissions
+    fails with EIO instead of being retried for ever (``hard``, the kernel's
+    default, is what hangs a node when a storage node is gone for good).  Over
+    TCP each retransmission waits ``timeo`` (tenths of a second) longer than
+    the one before, so with ``retrans=2`` a request fails after about
+    ``timeo * (1 + 2 + 3)``.  An operator who prefers ``hard`` (or other
+    values) says so in the StorageClass's ``mountOptions``: then none of
+    ours is added.
+    """
+    keys = {o.split("=", 1)[0] for o in options}
+    if keys & {"hard", "soft", "softerr", "timeo", "retrans"}:
+        return []
+    deciseconds = max(1, round(io_timeout * 10 / 6))
+    return ["soft", f"timeo={deciseconds}", "retrans=2"]
 
 
 def unmount_nfs(target: str | os.PathLike[str]) -> None:

@@ -302,7 +302,7 @@ def test_kernel_nfs_mount_is_one_nfs4_mount_argv(
             "-t",
             "nfs4",
             "-o",
-            "port=2049,vers=4.1,ro",
+            "port=2049,vers=4.1,soft,timeo=200,retrans=2,ro",
             "--",
             "10.1.2.3:/volumes/v1",
             str(target),
@@ -312,12 +312,21 @@ def test_kernel_nfs_mount_is_one_nfs4_mount_argv(
             "-t",
             "nfs4",
             "-o",
-            "port=20490,vers=4.1",
+            "port=20490,vers=4.1,soft,timeo=200,retrans=2",
             "--",
             "nfs.example:/volumes/v2",
             str(target),
         ],
-        ["mount", "-t", "nfs4", "-o", "port=2049,vers=4.1", "--", "[fd00::1]:/v3", str(target)],
+        [
+            "mount",
+            "-t",
+            "nfs4",
+            "-o",
+            "port=2049,vers=4.1,soft,timeo=200,retrans=2",
+            "--",
+            "[fd00::1]:/v3",
+            str(target),
+        ],
     ]
 
 

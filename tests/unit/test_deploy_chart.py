@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from csi.health import PROBE_TIMEOUT as HEALTHZ_PROBE_TIMEOUT
 from tests.conftest import REPO, go_module_dir
 
 CHART = REPO / "deploy" / "helm" / "moorage"
@@ -205,6 +207,22 @@ def test_socket_paths_agree_between_registrar_plugin_and_kubelet(
     assert env["MOORAGE_FUSE_CGROUP"]["value"] == "moorage-fuse"
 
 
+@pytest.mark.parametrize("kubelet", ["/var/lib/kubelet", "/data/kubelet"])
+def test_the_node_plugin_checks_propagation_of_the_kubelet_dir_it_mounts(
+    kubelet: str, default: list[dict[str, Any]], custom: list[dict[str, Any]]
+) -> None:
+    # the plugin refuses to start unless --kubelet-dir is shared where it runs:
+    # the directory it checks is the one mounted Bidirectional, and no opt-out
+    node = find(default if kubelet == "/var/lib/kubelet" else custom, "DaemonSet", "moorage-node")
+    plugin = container(node, "moorage")
+    assert flag(plugin, "--kubelet-dir") == kubelet
+    assert not [a for a in plugin["args"] if a.startswith("--allow-private-mounts")]
+    mounts = {m["mountPath"]: m for m in plugin["volumeMounts"]}
+    assert mounts[kubelet]["mountPropagation"] == "Bidirectional"
+    volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts[kubelet]["name"]]["hostPath"]["path"] == kubelet
+
+
 def pod_images(objs: list[dict[str, Any]]) -> set[str]:
     images = set()
     for obj in objs:
@@ -281,6 +299,44 @@ def test_each_sidecar_or_the_plugin_does_its_job_never_both(
             assert flag(plugin, "--health-address") is None
         else:
             assert flag(plugin, "--health-address") == f"0.0.0.0:{port}"
+
+
+def pod_specs(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for obj in objs:
+        spec = obj.get("spec", {}).get("template", {}).get("spec")
+        if spec is not None:
+            yield obj["metadata"]["name"], spec
+
+
+@pytest.mark.parametrize("which", ["default", "custom", "no_sidecars"])
+def test_every_probe_sets_its_timeout_and_liveness_its_period_and_threshold(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """kubelet's defaults (a 1 s timeout, 3 failures 10 s apart) restart a busy plugin."""
+    objs: list[dict[str, Any]] = request.getfixturevalue(which)
+    seen = 0
+    for owner, spec in pod_specs(objs):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
+                if kind not in c:
+                    continue
+                seen += 1
+                where = f"{owner}/{c['name']} {kind}"
+                assert c[kind].get("timeoutSeconds", 0) >= 2, f"{where}: no timeoutSeconds"
+                if kind == "livenessProbe":
+                    assert "periodSeconds" in c[kind], f"{where}: no periodSeconds"
+                    assert "failureThreshold" in c[kind], f"{where}: no failureThreshold"
+            # whoever answers /healthz gives up on the Probe before kubelet gives up on it
+            if c["name"] == "moorage" and "livenessProbe" in c:
+                sidecars = [x for x in spec["containers"] if x["name"] == "liveness-probe"]
+                limit = c["livenessProbe"]["timeoutSeconds"]
+                if sidecars:
+                    timeout = flag(sidecars[0], "--probe-timeout")
+                    assert timeout is not None and timeout.endswith("s"), owner
+                    assert float(timeout[:-1]) < limit, owner
+                else:
+                    assert limit > HEALTHZ_PROBE_TIMEOUT, owner
+    assert seen >= 3  # the controller's, the node plugin's, the storage node's
 
 
 @pytest.mark.parametrize("values", [None, NO_SIDECARS], ids=["default", "no-sidecars"])
@@ -393,3 +449,15 @@ def test_every_host_path_of_the_storage_node_is_a_host_path_volume(
     init = container(daemonset, "pool")
     for path in (pool, f"{pool}.img", f"{pool}.pool.json"):
         assert host_path_of(daemonset, init, path) == path, f"pool init: {path}"
+
+
+@pytest.mark.parametrize("io_timeout", [None, 45])
+def test_the_io_timeout_reaches_the_plugins_configuration(
+    io_timeout: int | None, tmp_path: Path
+) -> None:
+    from csi.config import parse_config
+
+    values = None if io_timeout is None else {"node": {"ioTimeout": io_timeout}}
+    config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
+    config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
+    assert config.node.io_timeout == (120 if io_timeout is None else io_timeout)
