@@ -26,15 +26,16 @@ Choices, and why:
   every completed write (kill -9 of a server loses nothing it
   acknowledged).
 - **Bounded.** ``timeout`` bounds every wait, like kernel nbd's dead
-  connection timeout: a request waits at most that long for a connection
-  (or for the reply on one: a server that stops answering is a lost
-  connection), then fails with EIO; every connection attempt is bounded
-  too (:data:`CONNECT_TIMEOUT`).  A *definitive* answer fails at once, and
-  so do other requests that would wait for a connection: the server says
-  the export does not exist (its volume was unpublished or deleted) or is
-  not for us, or the export's size became 0.  Such an answer is asked
-  again at most every :data:`RETRY_MAX` seconds, so an export published
-  again is used again.
+  connection timeout: once the export has been unreachable that long
+  (no connection, or no reply on one: a server that stops answering is a
+  lost connection), requests fail with EIO.  The clock is the export's, not
+  each request's: a request made after the bound has passed fails at once
+  instead of waiting anew.  Every connection attempt is bounded too
+  (:data:`CONNECT_TIMEOUT`).  A *definitive* answer fails requests at once:
+  the server says the export does not exist (its volume was unpublished or
+  deleted) or is not for us, or the export's size became 0.  After either,
+  a connection is tried again at most every :data:`RETRY_MAX` seconds, so
+  a server or an export that comes back is used again.
 - **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
   fails every request waiting for a connection at once and, after
   :data:`STOP_GRACE` seconds, closes the connections, failing what is still
@@ -87,9 +88,18 @@ class _Disconnected(Exception):
     """The connection is gone (or could not be made): retry on a new one, unless
     the server's answer was definitive."""
 
-    def __init__(self, message: str, *, definitive: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        definitive: bool = False,
+        since: float | None = None,
+        known: bool = False,
+    ) -> None:
         super().__init__(message)
         self.definitive = definitive
+        self.known = known  # an answer already had (or stopping): nothing new learnt
+        self.since = since  # when the server was last heard of, if earlier than now
 
 
 class _Attempt:
@@ -152,8 +162,10 @@ class ExportConnections:
         self.can_zero = first.can_zero()
         self._connect = connect
         self._slots = [_Slot(AioConnection(c), c.get_size(), c.can_multi_conn()) for c in clients]
-        self._away = False
-        # the last definitive answer, and when (trio time) it came
+        # since when (trio time) no request has been answered: one clock for the
+        # export, like a kernel device's, so requests made later do not wait anew
+        self._down_since: float | None = None
+        # the last definitive answer (or the bound passed), and when (trio time)
         self._refused: tuple[str, float] | None = None
         self._stopping: str | None = None
         self._changed = trio.Event()  # wakes requests waiting to retry
@@ -200,10 +212,10 @@ class ExportConnections:
                 conn.close()
                 slot.conn = None
             if self._stopping is not None:
-                raise _Disconnected(self._stopping, definitive=True)
+                raise _Disconnected(self._stopping, definitive=True, known=True)
             refused = self._refused
             if refused is not None and trio.current_time() - refused[1] < RETRY_MAX:
-                raise _Disconnected(refused[0], definitive=True)
+                raise _Disconnected(refused[0], definitive=True, known=True)
             client = await self._attempt(min(bound, CONNECT_TIMEOUT))
             size = client.get_size()
             if size == 0 and self.size != 0:
@@ -239,16 +251,13 @@ class ExportConnections:
 
     async def _run_on(self, slot: _Slot | None, fn: Callable[[AioConnection], Awaitable[T]]) -> T:
         """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
-        is answered, the timeout passes or the answer is definitive."""
-        first_failure: float | None = None
+        is answered, the export has been unreachable for the timeout, or the answer is
+        definitive."""
         delay = RETRY_FIRST
         while True:
             target = slot if slot is not None else self._least_busy()
-            now = trio.current_time()
-            waited = 0.0 if first_failure is None else now - first_failure
-            bound = CONNECT_TIMEOUT if self.timeout is None else self.timeout - waited
             try:
-                conn = await self._connected(target, bound)
+                conn = await self._connected(target, CONNECT_TIMEOUT)
                 try:
                     result = await self._answered(conn, fn)
                 except NBDError as e:
@@ -258,16 +267,20 @@ class ExportConnections:
                     raise _Disconnected(str(e)) from e
             except _Disconnected as e:
                 if e.definitive:
-                    self._refuse(str(e))
+                    if not e.known:
+                        self._refuse(str(e))
                     raise ExportUnavailable(f"{self.uri}: {e}") from None
                 now = trio.current_time()
-                if first_failure is None:
-                    first_failure = now
-                if not self._away:
-                    self._away = True
+                if self._down_since is None:
+                    self._down_since = now if e.since is None else e.since
                     log.warning("%s: connection lost (%s); requests wait for it", self.uri, e)
-                waited = now - first_failure
+                elif e.since is not None:
+                    self._down_since = min(self._down_since, e.since)
+                waited = now - self._down_since
                 if self.timeout is not None and waited >= self.timeout:
+                    # past the bound: later requests fail at once too, while a
+                    # connection is tried again every RETRY_MAX seconds
+                    self._refuse(f"no connection for {waited:.1f}s: {e}")
                     raise ExportUnavailable(
                         f"{self.uri}: no connection for {waited:.1f}s: {e}"
                     ) from None
@@ -277,8 +290,8 @@ class ExportConnections:
                     await changed.wait()  # a definitive answer or stop: fail now
                 delay = min(delay * 2, RETRY_MAX)
                 continue
-            if self._away:
-                self._away = False
+            if self._down_since is not None:
+                self._down_since = None
                 log.warning("%s: connected again", self.uri)
             return result
 
@@ -289,13 +302,15 @@ class ExportConnections:
         connection (closed here: what else was in flight on it is sent again)."""
         if self.timeout is None:
             return await fn(conn)
+        sent = trio.current_time()
         with trio.move_on_after(self.timeout):
             return await fn(conn)
         conn.close()
-        raise _Disconnected(f"no reply within {self.timeout:.1f}s")
+        raise _Disconnected(f"no reply within {self.timeout:.1f}s", since=sent)
 
     def _refuse(self, reason: str) -> None:
-        """A definitive answer: requests waiting for a connection fail now."""
+        """A definitive answer, or the bound passed: requests waiting for a connection
+        fail now, and so do new ones until a connection is made again."""
         if self._refused is None:
             log.error("%s: %s; requests fail with EIO", self.uri, reason)
         self._refused = (reason, trio.current_time())

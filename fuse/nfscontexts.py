@@ -13,7 +13,10 @@ Choices, and why:
   bounded here: past it the call fails with EIO and its thread is
   abandoned; it gives its context back to the pool once libnfs returns (the
   server answered again), so a mount whose server comes back has all its
-  connections again.
+  connections again.  Once a call has timed out, later calls wait only
+  :data:`AFTER_TIMEOUT` seconds until one is answered again: the bound is
+  the mount's, not each call's (a process stat-ing its way through a dead
+  mount would otherwise wait the whole bound at every step).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# What a call waits once an earlier one timed out, until one is answered again.
+AFTER_TIMEOUT = 2.0
+
 
 class ContextPool:
     """Mounted libnfs contexts, each lent to one worker thread at a time."""
@@ -44,6 +50,7 @@ class ContextPool:
             raise ValueError("a context pool needs at least one context")
         self.size = len(contexts)
         self.timeout = timeout
+        self._timed_out = False  # a call timed out and none was answered since
         self._send, self._idle = trio.open_memory_channel[NFSContext](self.size)
         for context in contexts:
             self._send.send_nowait(context)
@@ -73,12 +80,15 @@ class ContextPool:
     async def run(self, fn: Callable[[NFSContext], T]) -> T:
         """``fn(context)`` in a worker thread; what it raises is raised here.  Past the
         timeout: OSError(EIO)."""
-        deadline = math.inf if self.timeout is None else trio.current_time() + self.timeout
+        bound = self.timeout
+        if bound is not None and self._timed_out:
+            bound = min(bound, AFTER_TIMEOUT)
+        deadline = math.inf if bound is None else trio.current_time() + bound
         context: NFSContext | None = None
         with trio.move_on_at(deadline):
             context = await self._idle.receive()
         if context is None:
-            raise OSError(errno.EIO, f"no NFS connection free for {self.timeout}s")
+            raise OSError(errno.EIO, f"no NFS connection free for {bound}s")
         lent = context
         results: list[T] = []
         lock = threading.Lock()
@@ -113,6 +123,7 @@ class ContextPool:
                 call, abandon_on_cancel=True, limiter=self._threads
             )
             self._send.send_nowait(lent)
+            self._timed_out = False  # answered (an error from the server is an answer)
             if error is not None:
                 raise error
             return results[0]
@@ -121,7 +132,8 @@ class ContextPool:
             finished = state["done"]
         if finished:  # done between the timeout and now, without giving it back
             self._send.send_nowait(lent)
-        raise OSError(errno.EIO, f"the NFS server did not answer within {self.timeout}s")
+        self._timed_out = True
+        raise OSError(errno.EIO, f"the NFS server did not answer within {bound}s")
 
     def run_now(self, fn: Callable[[NFSContext], T]) -> T:
         """``fn(context)`` in this thread: only before the FUSE loop runs."""

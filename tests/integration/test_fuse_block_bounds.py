@@ -193,6 +193,42 @@ def test_a_server_gone_longer_than_the_bound_fails_io_then_unmounts(
     assert "no connection for" in log, log
 
 
+def test_after_the_bound_later_requests_fail_at_once_until_the_server_is_back(
+    servers: list[Server], nbd_servers: NBDServerFactory, stack: BlockStack, tmp_path: Path
+) -> None:
+    """The bound is the export's, like a kernel device's dead connection timeout: a
+    request made after it has passed does not wait it again."""
+    server = _server(servers, nbd_servers, tmp_path)
+    bound = 16.0
+    device, _, _ = _attach(stack, server.uri, bound)
+    fd = os.open(_disk_file(device), os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"y" * 4096, 0) == 4096
+        server.kill()
+        started = time.monotonic()
+        with pytest.raises(OSError) as first:
+            os.pread(fd, 4096, 4 * MiB)
+        assert first.value.errno == errno.EIO
+        assert time.monotonic() - started >= bound - 1  # it waited for the server
+        started = time.monotonic()
+        with pytest.raises(OSError) as later:
+            os.pread(fd, 4096, 8 * MiB)
+        assert later.value.errno == errno.EIO
+        assert time.monotonic() - started < bound / 2, "a later request waited the bound anew"
+        server.start()
+        deadline = time.monotonic() + PROMPTLY
+        while True:  # a connection is tried again every 2 s
+            try:
+                assert os.pread(fd, 4096, 0) == b"y" * 4096
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the export did not come back"
+                time.sleep(0.5)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 @pytest.mark.parametrize("server_state", ["stopped", "killed"])
 def test_sigterm_ends_the_fuse_process_within_seconds(
     servers: list[Server],
