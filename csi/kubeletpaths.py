@@ -38,6 +38,16 @@ def absolute(value: str, what: str) -> Path:
     return Path(os.path.normpath(value))
 
 
+def _resolved(path: Path) -> Path:
+    """``path`` with its symlinks resolved, without looking into a mount on it: a mount
+    point is not a symlink, and stat-ing the root of a mount whose server is away
+    would wait for that server (up to the volume's I/O timeout)."""
+    candidate = Path(os.path.realpath(path.parent)) / path.name
+    if any(e.mount_point == str(candidate) for e in mounts.mount_entries()):
+        return candidate
+    return Path(os.path.realpath(candidate))
+
+
 def _strictly_under(path: Path, root: Path) -> bool:
     return path != root and path.is_relative_to(root)
 
@@ -58,7 +68,7 @@ class KubeletPaths:
                 f"{what} {str(path)[:140]} is not under kubelet's directory {self.root} "
                 "(--kubelet-dir): this plugin touches nothing else"
             )
-        real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(self.root))
+        real, real_root = _resolved(path), Path(os.path.realpath(self.root))
         if not _strictly_under(real, real_root):
             raise InvalidArgument(
                 f"{what} {str(path)[:140]} leads to {str(real)[:140]}, outside kubelet's "

@@ -465,7 +465,13 @@ class NodeService(pb_grpc.NodeServicer):
         except UnreadableRecord as e:  # the volume's condition: its record says nothing
             condition = pb.VolumeCondition(abnormal=True, message=str(e))
             return pb.NodeGetVolumeStatsResponse(volume_condition=condition)
-        record, path = self._record_at(volume_id, request.volume_path)
+        try:
+            record, path = self._record_at(volume_id, request.volume_path)
+        except OSError as e:  # the mount's server is away (EIO after its I/O timeout)
+            message = f"{request.volume_path[:200]} cannot be read: {e.strerror}"
+            return pb.NodeGetVolumeStatsResponse(
+                volume_condition=pb.VolumeCondition(abnormal=True, message=message)
+            )
         problem = self._problem(record, path)
         usage: list[pb.VolumeUsage] = []
         if problem is None:

@@ -166,3 +166,32 @@ def test_what_lies_at_an_unrecorded_path_is_named_and_left(kubelet: KubeletPaths
         check_free(pods / "file", "target_path", file_ok=True)  # not empty
     check_free(pods / "blank", "target_path", file_ok=True)
     assert (pods / "file").read_text() == "x" and (pods / "full" / "keep").exists()
+
+
+def test_a_mount_point_is_checked_without_looking_into_its_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stat-ing the root of a mount whose server is away waits for that server: the
+    target of an unpublish is resolved through its parent and the mount table."""
+    import os
+    from types import SimpleNamespace
+
+    from csi import mounts
+
+    root = tmp_path / "kubelet"
+    target = root / "pods" / "uid" / "volumes" / "mount"
+    target.mkdir(parents=True)
+    looked_into: list[str] = []
+    real_realpath = os.path.realpath
+
+    def realpath(path: object) -> str:
+        looked_into.append(os.fspath(path))  # type: ignore[call-overload]
+        return real_realpath(path)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(os.path, "realpath", realpath)
+    monkeypatch.setattr(mounts, "mount_entries", lambda: [SimpleNamespace(mount_point=str(target))])
+    assert KubeletPaths(root).check(str(target), "target_path") == target
+    assert str(target) not in looked_into
+    monkeypatch.setattr(mounts, "mount_entries", lambda: [])
+    assert KubeletPaths(root).check(str(target), "target_path") == target
+    assert str(target) in looked_into  # not a mount point: its own symlinks are resolved
