@@ -461,3 +461,11 @@ def test_the_io_timeout_reaches_the_plugins_configuration(
     config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
     config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
     assert config.node.io_timeout == (120 if io_timeout is None else io_timeout)
+
+
+def test_the_nfs_class_leaves_the_bound_to_the_node(default: list[dict[str, Any]]) -> None:
+    """`hard` (or soft/timeo/retrans) in a class's mountOptions replaces the node's bound:
+    a kernel NFS mount would then wait for ever on a storage node that is gone."""
+    nfs = find(default, "StorageClass", "moorage-nfs")
+    keys = {o.split("=", 1)[0] for o in nfs.get("mountOptions", [])}
+    assert not keys & {"hard", "soft", "softerr", "timeo", "retrans"}, nfs["mountOptions"]
