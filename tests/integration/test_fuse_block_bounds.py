@@ -134,19 +134,38 @@ def _still_works(directory: Path) -> None:
     assert (directory / "other-volume.bin").read_bytes() == data
 
 
-def test_an_export_that_goes_away_fails_io_at_once_and_unmounts(
-    servers: list[Server], nbd_servers: NBDServerFactory, stack: BlockStack, tmp_path: Path
-) -> None:
-    lost = _server(servers, nbd_servers, tmp_path)
-    other = _server(servers, nbd_servers, tmp_path)
-    device, _, log_file = _attach(stack, lost.uri, LONG_TIMEOUT)
-    other_device, _, _ = _attach(stack, other.uri, LONG_TIMEOUT)
+def _two_volumes_and_a_writer(
+    stack: BlockStack, uri: str, timeout: float, other_uri: str
+) -> tuple[Path, Path, str, Writer]:
+    """The export at ``uri`` (with this I/O timeout) and another, each an ext4 mounted;
+    a writer running on the first.  (target, other target, FUSE log, writer)."""
+    device, _, log_file = _attach(stack, uri, timeout)
+    other_device, _, _ = _attach(stack, other_uri, LONG_TIMEOUT)
     mkfs("ext4", device)
     mkfs("ext4", other_device)
     target = stack.mount(device, "ext4")
     other_target = stack.mount(other_device, "ext4")
     writer = Writer(target)
     writer.start()
+    return target, other_target, log_file, writer
+
+
+def _node_lets_go(stack: BlockStack, target: Path, other_target: Path) -> None:
+    """sync and umount return; the other volume keeps working."""
+    assert _returns(["sync"], PROMPTLY).returncode == 0
+    assert _returns(["umount", str(target)], PROMPTLY).returncode == 0
+    stack.mounts.remove(target)
+    _still_works(other_target)
+
+
+def test_an_export_that_goes_away_fails_io_at_once_and_unmounts(
+    servers: list[Server], nbd_servers: NBDServerFactory, stack: BlockStack, tmp_path: Path
+) -> None:
+    lost = _server(servers, nbd_servers, tmp_path)
+    other = _server(servers, nbd_servers, tmp_path)
+    target, other_target, log_file, writer = _two_volumes_and_a_writer(
+        stack, lost.uri, LONG_TIMEOUT, other.uri
+    )
     try:
         writer.wait_for(5, timeout=PROMPTLY)
         # the volume is unpublished: its server answers "no export named 'disk'"
@@ -157,10 +176,7 @@ def test_an_export_that_goes_away_fails_io_at_once_and_unmounts(
         assert time.monotonic() - started < LONG_TIMEOUT
     finally:
         writer.stopping.set()
-    assert _returns(["sync"], PROMPTLY).returncode == 0
-    assert _returns(["umount", str(target)], PROMPTLY).returncode == 0
-    stack.mounts.remove(target)
-    _still_works(other_target)
+    _node_lets_go(stack, target, other_target)
     log = Path(log_file).read_text(errors="replace")
     assert "no export named" in log and "requests fail with EIO" in log, log
 
@@ -171,24 +187,16 @@ def test_a_server_gone_longer_than_the_bound_fails_io_then_unmounts(
     server = _server(servers, nbd_servers, tmp_path)
     other = _server(servers, nbd_servers, tmp_path)
     bound = 4.0
-    device, _, log_file = _attach(stack, server.uri, bound)
-    other_device, _, _ = _attach(stack, other.uri, LONG_TIMEOUT)
-    mkfs("ext4", device)
-    mkfs("ext4", other_device)
-    target = stack.mount(device, "ext4")
-    other_target = stack.mount(other_device, "ext4")
-    writer = Writer(target)
-    writer.start()
+    target, other_target, log_file, writer = _two_volumes_and_a_writer(
+        stack, server.uri, bound, other.uri
+    )
     try:
         writer.wait_for(5, timeout=PROMPTLY)
         server.kill()  # and it stays away
         _ends_with_an_error(writer, PROMPTLY)
     finally:
         writer.stopping.set()
-    assert _returns(["sync"], PROMPTLY).returncode == 0
-    assert _returns(["umount", str(target)], PROMPTLY).returncode == 0
-    stack.mounts.remove(target)
-    _still_works(other_target)
+    _node_lets_go(stack, target, other_target)
     log = Path(log_file).read_text(errors="replace")
     assert "no connection for" in log, log
 
