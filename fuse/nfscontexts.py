@@ -16,7 +16,11 @@ Choices, and why:
   connections again.  Once a call has timed out, later calls wait only
   :data:`AFTER_TIMEOUT` seconds until one is answered again: the bound is
   the mount's, not each call's (a process stat-ing its way through a dead
-  mount would otherwise wait the whole bound at every step).
+  mount would otherwise wait the whole bound at every step).  A call that
+  libnfs itself ends for want of a server (its own timeout, a refused or
+  reset connection) is no answer either: libnfs's timeout is set
+  :data:`LIBNFS_MARGIN` past the bound, so the bound normally ends a call
+  first, and such an error counts as a timeout when it does not.
 """
 
 from __future__ import annotations
@@ -40,6 +44,25 @@ T = TypeVar("T")
 
 # What a call waits once an earlier one timed out, until one is answered again.
 AFTER_TIMEOUT = 2.0
+# libnfs's own call timeout is the bound plus this: ours ends a call first.
+LIBNFS_MARGIN = 5.0
+# What libnfs answers when no server did: not an answer from the server.
+NO_SERVER = frozenset(
+    {
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ENOTCONN,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
+)
+
+
+def libnfs_timeout_ms(timeout: float | None) -> int | None:
+    """libnfs's call timeout for a mount bounded by ``timeout`` seconds."""
+    return None if timeout is None else int((timeout + LIBNFS_MARGIN) * 1000)
 
 
 class ContextPool:
@@ -69,7 +92,7 @@ class ContextPool:
                     export.path,
                     nfs_port=export.port,
                     mount_port=export.mount_port,
-                    timeout_ms=None if timeout is None else int(timeout * 1000),
+                    timeout_ms=libnfs_timeout_ms(timeout),
                 )
         except BaseException:
             for context in contexts:
@@ -123,6 +146,9 @@ class ContextPool:
                 call, abandon_on_cancel=True, limiter=self._threads
             )
             self._send.send_nowait(lent)
+            if isinstance(error, OSError) and error.errno in NO_SERVER:
+                self._timed_out = True
+                raise OSError(errno.EIO, f"no answer from the NFS server: {error}") from error
             self._timed_out = False  # answered (an error from the server is an answer)
             if error is not None:
                 raise error

@@ -40,7 +40,8 @@ from tests.integration.test_csi_node import (
 
 # Far longer than any test may wait: only a definitive answer explains an error before it.
 LONG_IO_TIMEOUT = "600"
-PROMPTLY = 60.0  # a generous bound for "at once" on a loaded machine
+PROMPTLY = 60.0
+NFS_IO_TIMEOUT = 20  # a generous bound for "at once" on a loaded machine
 
 
 class Writer(threading.Thread):
@@ -69,16 +70,16 @@ class Writer(threading.Thread):
             self.error = e
 
 
-def _staged_with_io_timeout(on: Site, io_timeout: str) -> Mounted:
-    """An nbd volume (ext4) whose StorageClass says ioTimeout, staged and published."""
-    cap = mount_cap(Mode.SINGLE_NODE_WRITER, "ext4")
+def _staged_with_io_timeout(on: Site, io_timeout: str, kind: str = "nbd") -> Mounted:
+    """An nbd (ext4) or nfs volume whose StorageClass says ioTimeout, staged and published."""
+    cap = mount_cap(Mode.SINGLE_NODE_WRITER, "ext4" if kind == "nbd" else "")
     info = on.nodes.NodeGetInfo(pb.NodeGetInfoRequest())
     vol = on.controller.CreateVolume(
         pb.CreateVolumeRequest(
             name=f"pvc-{uuid.uuid4()}",
             capacity_range=pb.CapacityRange(required_bytes=64 * MIB),
             volume_capabilities=[cap],
-            parameters={"type": "nbd", "ioTimeout": io_timeout},
+            parameters={"type": kind, "ioTimeout": io_timeout},
         )
     ).volume
     assert vol.volume_context["ioTimeout"] == io_timeout
@@ -188,6 +189,32 @@ def test_a_storage_node_gone_longer_than_io_timeout_fails_io_then_lets_go(site: 
         stopped = True
         _fails_promptly(writer)
         _node_lets_go(site, m)
+    finally:
+        writer.stopping.set()
+        if stopped:
+            _restart(site)
+        with contextlib.suppress(grpc.RpcError):
+            m.teardown(site)
+
+
+def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
+    site: Site,  # noqa: F811
+) -> None:
+    """Past the bound, unpublish and unstage wait on nothing: each bounded wait of the
+    FUSE NFS mount is spent by then (kubelet's pod deletion waits on these calls)."""
+    m = _staged_with_io_timeout(site, str(NFS_IO_TIMEOUT), "nfs")
+    writer = Writer(m.target)
+    stopped = False
+    try:
+        writer.start()
+        assert writer.started_writing.wait(PROMPTLY)
+        site.node.stop()
+        stopped = True
+        _fails_promptly(writer)
+        started = time.monotonic()
+        _node_lets_go(site, m)
+        took = time.monotonic() - started
+        assert took < NFS_IO_TIMEOUT, f"unpublish and unstage took {took:.0f} s after the bound"
     finally:
         writer.stopping.set()
         if stopped:
