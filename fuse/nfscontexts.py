@@ -46,9 +46,13 @@ T = TypeVar("T")
 AFTER_TIMEOUT = 2.0
 # libnfs's own call timeout is the bound plus this: ours ends a call first.
 LIBNFS_MARGIN = 5.0
-# What libnfs answers when no server did: not an answer from the server.
+# What libnfs answers when no server did: not an answer from the server.  Its
+# NFSv3 calls end in EFAULT when the RPC layer failed and EINTR when a call was
+# cancelled or timed out; no NFS status maps to either.
 NO_SERVER = frozenset(
     {
+        errno.EFAULT,
+        errno.EINTR,
         errno.ETIMEDOUT,
         errno.ECONNREFUSED,
         errno.ECONNRESET,

@@ -54,7 +54,15 @@ async def _bound_of_a_hanging_call(pool: ContextPool) -> str:
 
 
 @pytest.mark.parametrize(
-    "code", [errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOTCONN]
+    "code",
+    [
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ENOTCONN,
+        errno.EFAULT,
+        errno.EINTR,
+    ],
 )
 def test_libnfs_giving_up_for_want_of_a_server_is_a_timeout_not_an_answer(code: int) -> None:
     async def main() -> None:
