@@ -21,9 +21,12 @@ Forcing a path this host cannot use is an error saying why.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import shutil
 import stat
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -94,14 +97,35 @@ def _fuse_loop() -> tuple[bool, str]:
     return True, f"a FUSE block file on a loop device ({DEV_FUSE} and {DEV_LOOP_CONTROL} present)"
 
 
+def _kernel_filesystems() -> set[str]:
+    return {line.split()[-1] for line in PROC_FILESYSTEMS.read_text().splitlines() if line}
+
+
+def _load_nfs_module() -> None:
+    """Load the NFS client module (a node's kernel has it as a module that only
+    the first NFS mount would load), as the nbd probe loads nbd."""
+    exe = shutil.which("modprobe") or next(
+        (p for p in ("/usr/sbin/modprobe", "/sbin/modprobe") if os.access(p, os.X_OK)), None
+    )
+    if exe is not None:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run([exe, "nfs"], capture_output=True, timeout=30)
+
+
 def _kernel_nfs() -> tuple[bool, str]:
     try:
-        names = {line.split()[-1] for line in PROC_FILESYSTEMS.read_text().splitlines() if line}
+        names = _kernel_filesystems()
+        if not any(n in names for n in KERNEL_NFS_FSTYPES):
+            _load_nfs_module()
+            names = _kernel_filesystems()
     except OSError as e:
         return False, f"kernel NFS client unknown: cannot read {PROC_FILESYSTEMS}: {e.strerror}"
     client = [n for n in KERNEL_NFS_FSTYPES if n in names]
     if not client:
-        return False, f"kernel NFS client unavailable: neither nfs4 nor nfs in {PROC_FILESYSTEMS}"
+        return False, (
+            f"kernel NFS client unavailable: neither nfs4 nor nfs in {PROC_FILESYSTEMS} "
+            "(modprobe nfs did not add them)"
+        )
     helper = next((p for p in MOUNT_NFS4 if os.access(p, os.X_OK)), None)
     if helper is None:
         return False, f"kernel NFS client present ({client[0]}) but mount.nfs4 is not installed"
