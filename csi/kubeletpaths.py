@@ -39,13 +39,8 @@ def absolute(value: str, what: str) -> Path:
 
 
 def _resolved(path: Path) -> Path:
-    """``path`` with its symlinks resolved, without looking into a mount on it: a mount
-    point is not a symlink, and stat-ing the root of a mount whose server is away
-    would wait for that server (up to the volume's I/O timeout)."""
-    candidate = Path(os.path.realpath(path.parent)) / path.name
-    if any(e.mount_point == str(candidate) for e in mounts.mount_entries()):
-        return candidate
-    return Path(os.path.realpath(candidate))
+    """``path`` with its symlinks resolved, without looking into a mount on it."""
+    return Path(mounts.resolve_to_mount_point(path))
 
 
 def _strictly_under(path: Path, root: Path) -> bool:

@@ -50,6 +50,7 @@ from csi.mounts.table import (
     mount_info,
     mounts_of_device,
     parse_mountinfo,
+    resolve_to_mount_point,
 )
 from csi.mounts.validation import validate_options
 
@@ -79,6 +80,7 @@ __all__ = [
     "mount_info",
     "mounts_of_device",
     "parse_mountinfo",
+    "resolve_to_mount_point",
     "set_read_only",
     "unmount",
     "validate_options",

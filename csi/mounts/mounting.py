@@ -126,12 +126,17 @@ def bind_mount(
 def unmount(
     target: str | os.PathLike[str], lazy: bool = False, *, timeout: float = TIMEOUT
 ) -> None:
-    """``umount [-l] -- TARGET``; nothing mounted there is success (one mount is removed)."""
+    """``umount -c [-l] -- TARGET``; nothing mounted there is success (one mount is removed).
+
+    ``-c`` (no canonicalization): TARGET is a mount point exactly as the mount
+    table names it, so umount(8) need not stat its way to it, and a stat of a
+    mount whose server is gone waits (a FUSE NFS mount past its bound answers
+    each in seconds; a hard kernel NFS mount never would)."""
     target_path = validate_path(target, "unmount target")
     if mount_entry(target_path) is None:
         return
     try:
-        tools.run(["umount", *(["-l"] if lazy else []), "--", target_path], timeout)
+        tools.run(["umount", "-c", *(["-l"] if lazy else []), "--", target_path], timeout)
     except MountError:
         if mount_entry(target_path) is None:  # someone else unmounted it meanwhile
             return

@@ -108,12 +108,31 @@ def mount_entries() -> list[MountEntry]:
     return parse_mountinfo(MOUNTINFO.read_bytes())
 
 
+def resolve_to_mount_point(
+    path: str | os.PathLike[str], entries: list[MountEntry] | None = None
+) -> str:
+    """``path`` with its symlinks resolved, without looking into a mount on it.
+
+    A mount point is not a symlink, so when the path's resolved parent plus its
+    name is a mount point in the table, that is the answer and the mount's
+    root is never stat-ed: stat-ing the root of a mount whose server is away
+    waits for that server (up to the volume's I/O timeout), and a dead FUSE
+    mount answers ENOTCONN.  Anything else is resolved in full."""
+    text = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(text)
+    candidate = os.path.join(os.path.realpath(parent), name)
+    table = mount_entries() if entries is None else entries
+    if any(e.mount_point == candidate for e in table):
+        return candidate
+    return os.path.realpath(candidate)
+
+
 def mount_entry(path: str | os.PathLike[str]) -> MountEntry | None:
     """The topmost mount on ``path`` exactly (not on a parent of it), or None."""
-    # realpath does not fail on a dead FUSE mount (ENOTCONN): it stops resolving there
-    target = os.path.realpath(os.fspath(path))
+    entries = mount_entries()
+    target = resolve_to_mount_point(path, entries)
     found = None
-    for entry in mount_entries():
+    for entry in entries:
         if entry.mount_point == target:
             found = entry  # later lines are mounted on top of earlier ones
     return found

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -219,6 +220,35 @@ def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
         writer.stopping.set()
         if stopped:
             _restart(site)
+        with contextlib.suppress(grpc.RpcError):
+            m.teardown(site)
+
+
+def _fuse_process(staging: Path) -> int:
+    """The FUSE NFS process serving the mount at ``staging``."""
+    found = subprocess.run(["pgrep", "-f", f"fuse.nfsmount .* {staging} "], capture_output=True,
+                           text=True, timeout=30).stdout.split()  # fmt: skip
+    assert len(found) == 1, found
+    return int(found[0])
+
+
+def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> None:  # noqa: F811
+    """NodeUnpublishVolume only unbinds: it resolves the pod's target from the mount
+    table, never by stat-ing into the volume, so a mount whose server is away (here:
+    its FUSE process stopped, which answers nothing) costs it no wait at all."""
+    m = _staged_with_io_timeout(site, LONG_IO_TIMEOUT, "nfs")
+    fuse = _fuse_process(m.staging)
+    os.kill(fuse, signal.SIGSTOP)
+    try:
+        time.sleep(2)  # past the mount's attribute cache: a stat would reach the process
+        site.nodes.NodeUnpublishVolume(
+            pb.NodeUnpublishVolumeRequest(volume_id=m.vol.volume_id, target_path=str(m.target)),
+            timeout=PROMPTLY,
+        )
+        with open("/proc/self/mounts") as f:
+            assert str(m.target) not in f.read()
+    finally:
+        os.kill(fuse, signal.SIGCONT)
         with contextlib.suppress(grpc.RpcError):
             m.teardown(site)
 

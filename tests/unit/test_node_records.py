@@ -176,7 +176,7 @@ def test_a_mount_point_is_checked_without_looking_into_its_mount(
     import os
     from types import SimpleNamespace
 
-    from csi import mounts
+    from csi.mounts import table
 
     root = tmp_path / "kubelet"
     target = root / "pods" / "uid" / "volumes" / "mount"
@@ -189,9 +189,11 @@ def test_a_mount_point_is_checked_without_looking_into_its_mount(
         return real_realpath(path)  # type: ignore[call-overload, no-any-return]
 
     monkeypatch.setattr(os.path, "realpath", realpath)
-    monkeypatch.setattr(mounts, "mount_entries", lambda: [SimpleNamespace(mount_point=str(target))])
+    entry = SimpleNamespace(mount_point=str(target))
+    monkeypatch.setattr(table, "mount_entries", lambda: [entry])
     assert KubeletPaths(root).check(str(target), "target_path") == target
+    assert table.mount_entry(target) is entry  # type: ignore[comparison-overlap]  # unmount asks it
     assert str(target) not in looked_into
-    monkeypatch.setattr(mounts, "mount_entries", lambda: [])
+    monkeypatch.setattr(table, "mount_entries", lambda: [])
     assert KubeletPaths(root).check(str(target), "target_path") == target
     assert str(target) in looked_into  # not a mount point: its own symlinks are resolved
