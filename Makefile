@@ -48,11 +48,17 @@ IMAGE_INPUTS := $(shell git ls-files -s nbd fuse backend csi moorage pyproject.t
 IMAGE := $(HOME)/.cache/moorage/image/moorage-$(IMAGE_INPUTS).tar
 export MOORAGE_IMAGE := $(IMAGE)
 export MOORAGE_IMAGE_REF := $(IMAGE_REF)
+# The kernel lane's guest (docs/kernel-lane.md): Debian's cloud kernel and a
+# root filesystem, named by a digest of the scripts that make it.
+GUEST_KEY := $(shell cat deploy/kernel-lane/build-guest.sh deploy/kernel-lane/init 2>/dev/null \
+	| sha256sum | cut -c1-16)
+GUEST := $(HOME)/.cache/moorage/kernel-lane/guest-$(GUEST_KEY)
+export MOORAGE_GUEST := $(GUEST)
 # The namespace the plain manifests in deploy/kubernetes are rendered for.
 MANIFESTS_NAMESPACE := moorage-system
 
 .PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-images e2e-tools \
-	e2e cluster-up cluster-status cluster-down clean
+	guest test-kernel kernel-shell e2e cluster-up cluster-status cluster-down clean
 
 all: test
 
@@ -88,6 +94,24 @@ $(IMAGE): | proto
 	find $(dir $@) -maxdepth 1 -name 'moorage-*.tar' ! -name $(notdir $@) -delete
 
 image: host proto $(IMAGE)
+
+$(GUEST): | host
+	mkdir -p $(dir $@)
+	bash deploy/kernel-lane/build-guest.sh $@
+	find $(dir $@) -maxdepth 1 -name 'guest-*' ! -name $(notdir $@) -exec rm -rf {} +
+
+guest: host $(GUEST)
+
+# The kernel paths (kernel nbd, the kernel NFS client) in a QEMU guest with
+# Debian's cloud kernel: this host's kernel has neither (docs/kernel-lane.md).
+KERNEL_ARGS ?= tests/kernel
+test-kernel: host proto $(GUEST)
+	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA --timeout=900 \
+		$(KERNEL_ARGS)
+
+# A shell on the guest's console (the tree under test in it); exit powers it off.
+kernel-shell: host proto $(GUEST)
+	$(PY) -m tests.kernel.guest shell
 
 # One build for all of them: any one missing rebuilds the set.
 $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) &:

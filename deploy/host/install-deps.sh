@@ -45,6 +45,10 @@ packages=(
     # kernel uapi headers (linux/nbd-netlink.h, linux/nbd.h, linux/netlink.h): the
     # kernel nbd attach code's hard-coded values are tested against them
     linux-libc-dev
+    # the kernel lane (docs/kernel-lane.md): a guest with Debian's cloud kernel,
+    # whose nbd and NFS client this host's kernel lacks, under QEMU, booted
+    # from an initramfs (cpio) holding its whole root filesystem
+    qemu-system-x86 cpio
 )
 
 missing=()
