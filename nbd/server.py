@@ -190,7 +190,7 @@ class NBDServer:
                 log.warning("%s: handshake timed out", label)
             return
         export = session.export
-        tx = Transmission(transport, session, self.io_limiter, label, lambda: self.shutting_down)
+        tx = Transmission(transport, session, self.io_limiter, label)
         conn_scope = trio.CancelScope()
         runtime = self.exports.open_connection(export, conn_scope)
         if runtime is None:

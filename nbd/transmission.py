@@ -113,14 +113,12 @@ class Transmission:
         session: Session,
         io_limiter: trio.CapacityLimiter,
         label: str,
-        shutting_down: Callable[[], bool],
     ) -> None:
         self.t = transport
         self.s = session
         self.image = session.image
         self.limiter = io_limiter
         self.label = label
-        self.shutting_down = shutting_down
         self.reader_scope = trio.CancelScope()
         sock = transport.socket
         # A plain socket gets a reply thread; TLS and stdio streams are
@@ -263,8 +261,10 @@ class Transmission:
                         self._buffers.put(payload)
 
     def _validate(self, req: Request) -> tuple[Errno, str] | None:
-        if self.shutting_down():
-            return Errno.ESHUTDOWN, "server is shutting down"
+        # A request read while the server shuts down is served like any other,
+        # never answered ESHUTDOWN: the kernel's nbd client takes an error reply
+        # as EIO for good, where a request left unread is sent again on its next
+        # connection (the server stops reading, then drains what it read).
         allowed = _ALLOWED_FLAGS.get(req.type)
         if allowed is None:
             return Errno.EINVAL, f"unknown command {req.type}"
