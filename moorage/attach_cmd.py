@@ -6,6 +6,8 @@ and tests:
     moorage attach probe                       which paths this host uses, and why
     moorage attach nbd nbd://HOST:PORT/NAME    attach an NBD export; prints the device
     moorage attach list [--json]               what is attached
+    moorage attach watch                       reconnect kernel nbd devices whose server
+                                               comes back (runs until SIGINT/SIGTERM)
     moorage detach DEVICE|URI                  detach it again
     moorage mount nfs SERVER[:PORT]:/PATH DIR  mount an NFS export
     moorage unmount DIR                        unmount it
@@ -22,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from csi import attach, mounts
+from csi.config import DEFAULT_IO_TIMEOUT, MAX_IO_TIMEOUT
 from moorage.output import fail, print_json
 
 DEFAULT_STATE_DIR = "/run/moorage/attach"
@@ -100,16 +105,27 @@ def attach_nbd(
     connections: int = typer.Option(
         4, "--connections", min=1, max=16, help="NBD connections (fuse-loop path)."
     ),
+    io_timeout: float = typer.Option(
+        DEFAULT_IO_TIMEOUT,
+        "--io-timeout",
+        min=1,
+        max=MAX_IO_TIMEOUT,
+        help="Seconds I/O waits for a server that went away before failing with EIO.",
+    ),
     state_dir: Path = _STATE_DIR,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Attach an NBD export as a block device and print the device (/dev/nbdN or /dev/loopN).
 
-    Attaching a URI that is already attached prints its device again.
+    Attaching a URI that is already attached prints its device again.  A kernel
+    nbd device is reconnected when its server comes back only while something
+    watches it: the CSI node plugin, or `moorage attach watch`.
     """
     plan = _plan("attach nbd")
     with _errors("attach nbd"):
-        device = attach.attach_block(uri, state_dir, plan, connections=connections)
+        device = attach.attach_block(
+            uri, state_dir, plan, connections=connections, io_timeout=io_timeout
+        )
     if as_json:
         print_json({"device": device, "uri": uri})
     else:
@@ -139,6 +155,31 @@ def attach_list(
         print_json([a.to_dict() for a in attachments])
     else:
         console.print(_attachments_table(attachments))
+
+
+@attach_app.command("watch")
+def attach_watch(state_dir: Path = _STATE_DIR) -> None:
+    """Reconnect the kernel nbd devices attached here when their server comes back.
+
+    Runs until SIGINT or SIGTERM.  (The FUSE block path reconnects by itself.)
+    """
+    with _errors("attach watch"):
+        reconnector = attach.Reconnector(state_dir)
+    stop = threading.Event()
+
+    def stopping(signum: int, frame: object) -> None:
+        reconnector.stop()
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stopping)
+    thread = reconnector.start_thread()
+    typer.echo(f"watching the kernel nbd devices recorded under {state_dir}", err=True)
+    while not stop.wait(1.0) and thread.is_alive():
+        pass
+    reconnector.stop()
+    thread.join(10)
+    reconnector.close()
 
 
 def detach(

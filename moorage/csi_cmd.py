@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ def serve(
         checks.append(directory_usable(state_dir, "state directory"))
     identity = IdentityService(controller=storage_nodes is not None, checks=checks)
     services.append((pb_grpc.add_IdentityServicer_to_server, identity))
+    kernel_nbd_dir: Path | None = None  # the node's kernel nbd devices are watched
     if mode in ("node", "all"):
         from csi.node import NodeService
 
@@ -172,6 +174,8 @@ def serve(
                 kubelet_dir=kubelet_dir,
             )
             services.append((pb_grpc.add_NodeServicer_to_server, node))
+            if node.plan.block == "kernel-nbd":
+                kernel_nbd_dir = node.state.attach_dir
         except (ValueError, OSError) as e:
             raise _fail(str(e)) from None
 
@@ -205,6 +209,8 @@ def serve(
             watch = StorageNodeHealth(storage_nodes, check_interval)
             watch.start()
             running.callback(watch.stop)
+        if kernel_nbd_dir is not None:
+            running.callback(_watch_kernel_nbd(kernel_nbd_dir))
         if health_address:
             from csi.health import start_health
 
@@ -227,6 +233,26 @@ def serve(
         # as node-driver-registrar does: the container restarts and kubelet retries
         log.error("stopping: kubelet refused the registration (%s)", refusals[0])
         raise typer.Exit(1)
+
+
+def _watch_kernel_nbd(attach_dir: Path) -> Callable[[], None]:
+    """Reconnect this node's kernel nbd devices when their storage node comes back
+    (csi.attach.reconnect); the function that stops it."""
+    from csi import attach
+
+    try:
+        reconnector = attach.Reconnector(attach_dir)
+    except attach.AttachError as e:
+        log.warning("kernel nbd devices will not be reconnected: %s", e)
+        return lambda: None
+    thread = reconnector.start_thread()
+
+    def stop() -> None:
+        reconnector.stop()
+        thread.join(10)
+        reconnector.close()
+
+    return stop
 
 
 def _check_propagation(kubelet_dir: Path, allow_private: bool) -> None:

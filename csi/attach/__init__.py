@@ -46,6 +46,7 @@ from csi.attach.paths import (
     max_volumes,
     probe,
 )
+from csi.attach.reconnect import Reconnector
 
 __all__ = [
     "BLOCK_PATHS",
@@ -60,6 +61,7 @@ __all__ = [
     "NFSPath",
     "PathUnavailable",
     "Plan",
+    "Reconnector",
     "attach_block",
     "block_attachment_problem",
     "detach_block",

@@ -72,6 +72,16 @@ def _kernel_records(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
     return _kernel_scan(state_dir)[0]
 
 
+def kernel_attachments(state_dir: str | os.PathLike[str]) -> list[BlockAttachment]:
+    """The kernel nbd devices attached under ``state_dir`` (from their records)."""
+    return _kernel_records(state_dir)
+
+
+def kernel_connected(device: str) -> bool:
+    """Whether the kernel still has ``device`` (/dev/nbdN) configured."""
+    return _kernel_connected(device)
+
+
 def _write_kernel_record(state_dir: str | os.PathLike[str], device: str, uri: str) -> None:
     directory = _kernel_dir(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
