@@ -244,7 +244,11 @@ def mount_nfs(
         )
 
 
-def unmount(directory: Path = typer.Argument(..., help="Where the NFS export is mounted.")) -> None:
+def unmount(
+    # a str, not a Path: click stats a Path argument, and a stat of a mount whose
+    # server is away waits for it (csi.attach.unmount_nfs never looks into the mount)
+    directory: str = typer.Argument(..., help="Where the NFS export is mounted."),
+) -> None:
     """Unmount an NFS export mounted by `moorage mount nfs` (nothing mounted: no-op)."""
     with _errors("unmount"):
         attach.unmount_nfs(directory)

@@ -46,7 +46,7 @@ from tests.integration.test_fuse_nfs import Ganesha, running_ganesha
 
 app = full_app()
 MiB = 1 << 20
-TIMEOUT = 120
+TIMEOUT = 60
 
 
 def moorage(
@@ -312,6 +312,24 @@ def test_an_nfs_export_mounted_and_unmounted_through_the_cli(
     wait_gone(nfs_mountpoint)
     moorage("unmount", str(nfs_mountpoint))  # again: no-op
     (ganesha.directory / name).unlink()
+
+
+def test_unmount_never_looks_into_the_mount(ganesha: Ganesha, nfs_mountpoint: Path) -> None:
+    """``moorage unmount`` of a FUSE NFS mount whose process answers nothing (stopped,
+    as good as a server gone and a bound not yet passed) returns: neither the command's
+    argument nor the unmount stats into the mount."""
+    spec = f"127.0.0.1:{ganesha.core.nfs_port}:{ganesha.export.pseudo}"
+    options = ["--mount-port", str(ganesha.mount_port), "--state-dir", str(ganesha.base / "state")]
+    moorage("mount", "nfs", spec, str(nfs_mountpoint), *options)
+    (process,) = mount_processes(nfs_mountpoint)
+    os.kill(process, signal.SIGSTOP)
+    try:
+        time.sleep(2)  # past the mount's attribute cache: a stat would reach the process
+        moorage("unmount", str(nfs_mountpoint))  # within the helper's timeout
+        assert not mounts.is_mount_point(nfs_mountpoint)
+    finally:
+        os.kill(process, signal.SIGCONT)
+    wait_gone(nfs_mountpoint)
 
 
 def test_a_read_only_nfs_mount_refuses_writes(ganesha: Ganesha, nfs_mountpoint: Path) -> None:
