@@ -19,15 +19,12 @@ connection open, each run inside its client namespace.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ import pytest
 from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO
+from tests.netns import ip, kill_netns_processes, netns_list, netns_pids
 
 STORE_IP = "10.231.0.1"
 A_IP = "10.231.0.2"
@@ -73,39 +71,6 @@ trio.run(main, *sys.argv[1:])
 # ------------------------------------------------------------------ namespaces
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
-
-
-def netns_pids(ns: str) -> list[int]:
-    result = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(pid) for pid in result.stdout.split()]
-
-
-def _describe(pid: int) -> str:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        cmdline = "?"
-    return f"{pid} {cmdline.strip()}"
-
-
-def kill_netns_processes(ns: str, timeout: float = 10.0) -> list[str]:
-    """SIGKILL every process in ``ns`` and wait for them to go; returns what was killed."""
-    killed = [_describe(pid) for pid in netns_pids(ns)]
-    deadline = time.monotonic() + timeout
-    while pids := netns_pids(ns):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes in {ns} survive SIGKILL: {pids}")
-        time.sleep(0.05)
-    return killed
-
-
 @dataclass(frozen=True)
 class Topology:
     store: str
@@ -118,32 +83,27 @@ class Topology:
 
     def create(self) -> None:
         for ns in self.namespaces:
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", self.store, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.store, "addr", "add", f"{STORE_IP}/{PREFIX}", "dev", "br0")
-        _ip("-n", self.store, "link", "set", "br0", "up")
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", self.store, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.store, "addr", "add", f"{STORE_IP}/{PREFIX}", "dev", "br0")
+        ip("-n", self.store, "link", "set", "br0", "up")
         for ns, port, address in ((self.node_a, "veth-a", A_IP), (self.node_b, "veth-b", B_IP)):
             # both ends are made inside the namespaces: nothing appears on the host
-            _ip("-n", self.store, "link", "add", port, "type", "veth", "peer", "eth0", "netns", ns)
-            _ip("-n", self.store, "link", "set", port, "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{address}/{PREFIX}", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", self.store, "link", "add", port, "type", "veth", "peer", "eth0", "netns", ns)
+            ip("-n", self.store, "link", "set", port, "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{address}/{PREFIX}", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
 
     def delete(self) -> list[str]:
         """Kill what still runs in the namespaces, delete them; returns what was killed."""
         killed: list[str] = []
-        existing = set(_netns_list())
+        existing = set(netns_list())
         for ns in self.namespaces:
             if ns in existing:
                 killed += kill_netns_processes(ns)
-                _ip("netns", "delete", ns)
+                ip("netns", "delete", ns)
         return killed
-
-
-def _netns_list() -> list[str]:
-    result = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 
 def in_ns(ns: str, *argv: str, timeout: float = TOOL_TIMEOUT) -> subprocess.CompletedProcess[str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from csi.proto import csi_pb2 as pb
+from tests.integration.test_attach_cli import mount_processes
 from tests.integration.test_csi_node import (
     MIB,
     Mode,
@@ -179,23 +180,32 @@ def test_an_export_withdrawn_while_staged_fails_the_pods_io_at_once(site: Site) 
                 v.teardown(site)
 
 
-def test_a_storage_node_gone_longer_than_io_timeout_fails_io_then_lets_go(site: Site) -> None:  # noqa: F811
-    m = _staged_with_io_timeout(site, "5")
+def _gone_longer_than_the_bound(on: Site, kind: str, io_timeout: str) -> float:
+    """A writer on a staged volume whose storage node stops for good: the writer gets
+    an error within the bound, then the node lets go (``_node_lets_go``).  Returns how
+    long letting go took; the storage node is started again after."""
+    m = _staged_with_io_timeout(on, io_timeout, kind)
     writer = Writer(m.target)
     stopped = False
     try:
         writer.start()
         assert writer.started_writing.wait(PROMPTLY)
-        site.node.stop()
+        on.node.stop()
         stopped = True
         _fails_promptly(writer)
-        _node_lets_go(site, m)
+        started = time.monotonic()
+        _node_lets_go(on, m)
+        return time.monotonic() - started
     finally:
         writer.stopping.set()
         if stopped:
-            _restart(site)
+            _restart(on)
         with contextlib.suppress(grpc.RpcError):
-            m.teardown(site)
+            m.teardown(on)
+
+
+def test_a_storage_node_gone_longer_than_io_timeout_fails_io_then_lets_go(site: Site) -> None:  # noqa: F811
+    _gone_longer_than_the_bound(site, "nbd", "5")
 
 
 def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
@@ -203,33 +213,8 @@ def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
 ) -> None:
     """Past the bound, unpublish and unstage wait on nothing: each bounded wait of the
     FUSE NFS mount is spent by then (kubelet's pod deletion waits on these calls)."""
-    m = _staged_with_io_timeout(site, str(NFS_IO_TIMEOUT), "nfs")
-    writer = Writer(m.target)
-    stopped = False
-    try:
-        writer.start()
-        assert writer.started_writing.wait(PROMPTLY)
-        site.node.stop()
-        stopped = True
-        _fails_promptly(writer)
-        started = time.monotonic()
-        _node_lets_go(site, m)
-        took = time.monotonic() - started
-        assert took < NFS_IO_TIMEOUT, f"unpublish and unstage took {took:.0f} s after the bound"
-    finally:
-        writer.stopping.set()
-        if stopped:
-            _restart(site)
-        with contextlib.suppress(grpc.RpcError):
-            m.teardown(site)
-
-
-def _fuse_process(staging: Path) -> int:
-    """The FUSE NFS process serving the mount at ``staging``."""
-    found = subprocess.run(["pgrep", "-f", f"fuse.nfsmount .* {staging} "], capture_output=True,
-                           text=True, timeout=30).stdout.split()  # fmt: skip
-    assert len(found) == 1, found
-    return int(found[0])
+    took = _gone_longer_than_the_bound(site, "nfs", str(NFS_IO_TIMEOUT))
+    assert took < NFS_IO_TIMEOUT, f"unpublish and unstage took {took:.0f} s after the bound"
 
 
 def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> None:  # noqa: F811
@@ -237,7 +222,7 @@ def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> No
     table, never by stat-ing into the volume, so a mount whose server is away (here:
     its FUSE process stopped, which answers nothing) costs it no wait at all."""
     m = _staged_with_io_timeout(site, LONG_IO_TIMEOUT, "nfs")
-    fuse = _fuse_process(m.staging)
+    (fuse,) = mount_processes(m.staging)
     os.kill(fuse, signal.SIGSTOP)
     try:
         time.sleep(2)  # past the mount's attribute cache: a stat would reach the process

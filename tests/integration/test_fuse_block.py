@@ -482,17 +482,22 @@ def test_requests_fail_after_the_timeout_and_work_again_later(
         assert failed.value.errno == errno.EIO
         assert 1.5 < time.monotonic() - started < 10
         moorage_server.start()
-        # past the bound a connection is tried again every 2 s: the export comes back
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert os.pread(fd, 4096, 0) == b"x" * 4096
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the export did not come back"
-                time.sleep(0.5)
+        reads_again(fd, b"x" * 4096, within=30)
     finally:
         os.close(fd)
+
+
+def reads_again(fd: int, expected: bytes, within: float) -> None:
+    """Past the bound a connection is tried again every 2 s: read the start of ``fd``
+    until the export answers, ``expected`` (within ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            assert os.pread(fd, len(expected), 0) == expected
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the export did not come back"
+            time.sleep(0.5)
 
 
 def test_teardown_after_a_failure_leaves_nothing(moorage_server: NBDServer, tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from tests.integration.test_fuse_block import (
     MiB,
     Writer,
     mkfs,
+    reads_again,
 )
 
 # The I/O timeout of attachments that must fail long before it.
@@ -224,14 +225,7 @@ def test_after_the_bound_later_requests_fail_at_once_until_the_server_is_back(
         assert later.value.errno == errno.EIO
         assert time.monotonic() - started < bound / 2, "a later request waited the bound anew"
         server.start()
-        deadline = time.monotonic() + PROMPTLY
-        while True:  # a connection is tried again every 2 s
-            try:
-                assert os.pread(fd, 4096, 0) == b"y" * 4096
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the export did not come back"
-                time.sleep(0.5)
+        reads_again(fd, b"y" * 4096, within=PROMPTLY)
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -31,13 +31,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import REPO
+from tests.netns import ip, kill_netns_processes, netns_list
 
 HOST_IP = "10.252.0.1"
 GUEST_IP = "10.252.0.2"
@@ -133,15 +133,6 @@ def tree_archive(out: Path, tree: Path = REPO) -> None:
                        cwd="/", check=True, timeout=600)  # fmt: skip
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def netns_pids(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in out.stdout.split()]
-
-
 class Lane:
     """The namespace, the guest and its agent (see the module docstring)."""
 
@@ -158,11 +149,11 @@ class Lane:
     # -- set-up
 
     def create_network(self) -> None:
-        _ip("netns", "add", self.netns)
-        _ip("-n", self.netns, "link", "set", "lo", "up")
-        _ip("-n", self.netns, "tuntap", "add", "dev", "tap0", "mode", "tap")
-        _ip("-n", self.netns, "addr", "add", f"{HOST_IP}/{PREFIX}", "dev", "tap0")
-        _ip("-n", self.netns, "link", "set", "tap0", "up")
+        ip("netns", "add", self.netns)
+        ip("-n", self.netns, "link", "set", "lo", "up")
+        ip("-n", self.netns, "tuntap", "add", "dev", "tap0", "mode", "tap")
+        ip("-n", self.netns, "addr", "add", f"{HOST_IP}/{PREFIX}", "dev", "tap0")
+        ip("-n", self.netns, "link", "set", "tap0", "up")
 
     def _initrd(self) -> Path:
         """The cached root filesystem followed by the tree under test."""
@@ -308,21 +299,10 @@ class Lane:
                 killed.append(f"qemu (pid {self.qemu.pid})")
                 os.killpg(self.qemu.pid, signal.SIGKILL)
                 self.qemu.wait(30)
-        if self.netns in _netns_list():
-            for pid in netns_pids(self.netns):
-                killed.append(f"pid {pid} in {self.netns}")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while netns_pids(self.netns) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            _ip("netns", "delete", self.netns)
+        if self.netns in netns_list():
+            killed += kill_netns_processes(self.netns)
+            ip("netns", "delete", self.netns)
         return killed
-
-
-def _netns_list() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
 @contextlib.contextmanager
