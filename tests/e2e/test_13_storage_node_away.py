@@ -145,5 +145,5 @@ def test_a_pod_deleted_while_its_storage_node_is_gone_terminates(
         for doc in classes:
             cluster.kube.run("delete", "storageclass", doc["metadata"]["name"], check=False)
     # the writer's I/O fails at the bound; kubelet then kills it and unpublishes
-    # (measured: 39 s for a 30 s bound; docs/e2e.md, scenario 13)
+    # (31 s for a 30 s bound in the figures of docs/e2e.md)
     assert took <= AWAY_TIMEOUT + 60
