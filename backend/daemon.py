@@ -45,8 +45,10 @@ log = logging.getLogger("moorage.backend")
 class DaemonConfig:
     data_dir: Path
     pool_dir: Path | None = None
-    # "unix:PATH" (mode 0600) or "HOST:PORT" (needs a token or mutual TLS)
-    listen: str | None = None
+    # API addresses, each "unix:PATH" (mode 0600) or "HOST:PORT" (needs a token or
+    # mutual TLS); none: unix:DATA_DIR/backend.sock.  More than one: the same API on
+    # each (a local socket for the operator beside TCP for the plugins).
+    listen: list[str] = field(default_factory=list)
     nbd_listen: str = "127.0.0.1:10809"
     # What clients are told to connect to (defaults to the listen address).
     nbd_advertise: str | None = None
@@ -87,8 +89,13 @@ class DaemonConfig:
         return (self.pool_dir or self.data_dir / "pool").absolute()
 
     @property
+    def api_addresses(self) -> list[str]:
+        return list(self.listen) or [f"unix:{(self.data_dir / 'backend.sock').absolute()}"]
+
+    @property
     def api_address(self) -> str:
-        return self.listen or f"unix:{(self.data_dir / 'backend.sock').absolute()}"
+        """The first API address: what a local client of this node is given."""
+        return self.api_addresses[0]
 
 
 def split_host_port(spec: str, what: str) -> tuple[str, int]:
@@ -156,7 +163,12 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
         options=[("grpc.so_reuseport", 0)],
     )
     pb_grpc.add_BackendServicer_to_server(BackendServicer(service), server)  # type: ignore[no-untyped-call]
-    address = config.api_address
+    for address in config.api_addresses:
+        _add_port(config, server, address)
+    return server
+
+
+def _add_port(config: DaemonConfig, server: grpc.Server, address: str) -> None:
     if address.startswith("unix:"):
         path = Path(address[5:])
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +178,7 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
             _bind(address, lambda: server.add_insecure_port(address))
         finally:
             os.umask(old)
-        return server
+        return
     if config.api_tls_cert and config.api_tls_key:
         ca = config.api_client_ca.read_bytes() if config.api_client_ca else None
         creds = grpc.ssl_server_credentials(
@@ -182,7 +194,6 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
             raise InvalidArgument("a TCP API needs --token-file or client certificates")
         log.warning("API on %s without TLS: the bearer token crosses the network in clear", address)
         _bind(address, lambda: server.add_insecure_port(address))
-    return server
 
 
 def _bind(address: str, add_port: Callable[[], int]) -> None:
@@ -200,7 +211,10 @@ def check_api_access(config: DaemonConfig) -> None:
     before anything is started or mounted."""
     if config.token_file is not None:
         read_token(config.token_file, refuse_shared=not config.allow_shared_token_file)
-    if config.api_address.startswith("unix:"):
+    for address in config.api_addresses:
+        if not address.startswith("unix:"):
+            split_host_port(address, "--listen")
+    if all(a.startswith("unix:") for a in config.api_addresses):
         return
     mutual_tls = bool(config.api_tls_cert and config.api_tls_key and config.api_client_ca)
     if config.token_file is None and not mutual_tls:
@@ -299,7 +313,7 @@ async def run_daemon(
         server.start()
         log.info(
             "storage node up: API %s, NBD %s:%d, NFS port %d, pool %s",
-            config.api_address,
+            " and ".join(config.api_addresses),
             nbd_host,
             bound_port,
             config.nfs_port,

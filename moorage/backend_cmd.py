@@ -28,8 +28,11 @@ log = logging.getLogger("moorage.backend")
 def serve(
     data_dir: Path = typer.Option(..., "--data-dir", help="Catalog, ganesha files, socket."),
     pool: Path | None = typer.Option(None, "--pool", help="Pool directory [DATA_DIR/pool]."),
-    listen: str | None = typer.Option(
-        None, "--listen", help="API address: unix:PATH [unix:DATA_DIR/backend.sock] or HOST:PORT."
+    listen: list[str] | None = typer.Option(
+        None,
+        "--listen",
+        help="API address: unix:PATH [unix:DATA_DIR/backend.sock] or HOST:PORT; repeat it to "
+        "serve the API on more than one.",
     ),
     nbd_listen: str = typer.Option("127.0.0.1:10809", "--nbd-listen", help="NBD HOST:PORT."),
     nbd_advertise: str | None = typer.Option(
@@ -89,7 +92,7 @@ def serve(
     config = DaemonConfig(
         data_dir=data_dir,
         pool_dir=pool,
-        listen=listen,
+        listen=list(listen or []),
         nbd_listen=nbd_listen,
         nbd_advertise=nbd_advertise,
         nfs_port=nfs_port,

@@ -53,6 +53,8 @@ class BackendNode:
     # The API on TCP (HOST:PORT) instead of the unix socket, and its bearer token.
     listen: str | None = None
     token_file: Path | None = None
+    # The API also on TCP (HOST:PORT) beside the unix socket (``address`` stays the socket).
+    also_listen: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -106,6 +108,8 @@ class BackendNode:
             "5",
             *advertise,
             *(["--listen", self.listen] if self.listen else []),
+            *(["--listen", f"unix:{self.socket}", "--listen", self.also_listen]
+              if self.also_listen else []),  # fmt: skip
             *(["--token-file", str(self.token_file)] if self.token_file else []),
             *self.extra_args,
         ]

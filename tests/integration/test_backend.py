@@ -842,3 +842,34 @@ def test_tcp_api_needs_a_token(tmp_path: Path) -> None:
         assert "reconciled" not in said and "ganesha" not in said, said  # nothing was started
     finally:
         node.teardown()
+
+
+def test_the_api_on_a_unix_socket_and_tcp_at_once(tmp_path: Path) -> None:
+    """``--listen`` twice: the operator's local socket beside TCP for the plugins,
+    one API behind both, the token asked on each."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-" + uuid.uuid4().hex + "\n")
+    token_file.chmod(0o600)
+    tcp = f"127.0.0.1:{free_port()}"
+    node = make_node(tmp_path / "node")
+    node.also_listen = tcp
+    node.token_file = token_file
+    try:
+        node.start()
+        assert stat.S_IMODE(node.socket.stat().st_mode) == 0o600
+        with BackendClient(tcp, token_file=token_file, timeout=10) as over_tcp:
+            made = nbd_volume(over_tcp, "seen-on-both", MiB)
+        with node.client() as local:  # the unix socket, with the token
+            assert local.get_volume(name="seen-on-both").id == made.id
+        with BackendClient(node.address, timeout=10) as bare:
+            expect(Code.UNAUTHENTICATED, bare.list_volumes)
+        assert node.stop() == 0
+
+        # a second address that is not one is refused before anything starts
+        node.also_listen = "no-port-here"
+        refused = subprocess.run(node.argv(), capture_output=True, text=True, cwd=REPO, timeout=120)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and "--listen: expected HOST:PORT" in said, said
+        assert "Traceback" not in said and "ganesha" not in said, said
+    finally:
+        node.teardown()
