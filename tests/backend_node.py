@@ -15,6 +15,7 @@ the namespace are the caller's to stop (``ip netns pids``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,11 +109,15 @@ class BackendNode:
             "5",
             *advertise,
             *(["--listen", self.listen] if self.listen else []),
-            *(["--listen", f"unix:{self.socket}", "--listen", self.also_listen]
-              if self.also_listen else []),  # fmt: skip
+            *self._also_listen(),
             *(["--token-file", str(self.token_file)] if self.token_file else []),
             *self.extra_args,
         ]
+
+    def _also_listen(self) -> list[str]:
+        if self.also_listen is None:
+            return []
+        return ["--listen", f"unix:{self.socket}", "--listen", self.also_listen]
 
     def start(self, failpoints: Sequence[str] = (), timeout: float = 90) -> None:
         assert self.proc is None or self.proc.poll() is not None, "daemon already running"
@@ -237,3 +242,54 @@ def backend_node(tmp_path: Path) -> Iterator[BackendNode]:
         yield node
     finally:
         node.teardown()
+
+
+# A storage node the tests do not run themselves (the kernel lane's guest runs the
+# CSI node tests against the host's): its API address, the token file to reach it
+# with, and the address it sees this machine as.
+REMOTE_NODE_ENV = "MOORAGE_TEST_STORAGE_NODE"
+REMOTE_TOKEN_ENV = "MOORAGE_TEST_STORAGE_TOKEN"
+NODE_ADDRESS_ENV = "MOORAGE_TEST_NODE_ADDRESS"
+
+
+@dataclass
+class RemoteNode:
+    """A running storage node elsewhere, reached over its TCP API with a token."""
+
+    address: str
+    token_file: Path
+
+    def client(self, timeout: float = 300) -> BackendClient:
+        return BackendClient(self.address, token_file=self.token_file, timeout=timeout)
+
+
+def this_node_address() -> str:
+    """The address storage nodes see this machine (the plugin's node) as."""
+    return os.environ.get(NODE_ADDRESS_ENV, "127.0.0.1")
+
+
+@contextlib.contextmanager
+def storage_node(root: Path) -> Iterator[BackendNode | RemoteNode]:
+    """The storage node a CSI test runs against: the one ``MOORAGE_TEST_STORAGE_NODE``
+    names (with ``MOORAGE_TEST_STORAGE_TOKEN``), else a new one on a loop pool under
+    ``root``, torn down after."""
+    remote = os.environ.get(REMOTE_NODE_ENV)
+    if remote:
+        token = os.environ.get(REMOTE_TOKEN_ENV)
+        assert token, f"{REMOTE_NODE_ENV} is set without {REMOTE_TOKEN_ENV}"
+        yield RemoteNode(remote, Path(token))
+        return
+    node = make_node(root)
+    try:
+        node.start()
+        yield node
+    finally:
+        node.teardown()
+
+
+def plugin_entry(node: BackendNode | RemoteNode, name: str, **more: object) -> dict[str, object]:
+    """The node's ``[[storage_nodes]]`` entry of a plugin configuration."""
+    entry: dict[str, object] = {"name": name, "address": node.address, **more}
+    if node.token_file is not None:
+        entry["token_file"] = str(node.token_file)
+    return entry

@@ -144,3 +144,10 @@ class CsiPlugin:
             return self.log.read_text(errors="replace")
         except OSError:
             return "(no log)"
+
+
+def sanity_binary() -> Path:
+    path = os.environ.get("MOORAGE_CSI_SANITY")
+    assert path, "MOORAGE_CSI_SANITY is not set: run the tests through make (make test)"
+    assert os.access(path, os.X_OK), f"{path} is missing: make tools builds it"
+    return Path(path)

@@ -11,10 +11,12 @@ Unstage → ControllerUnpublish → Delete, the mount table checked at each step
 Here the block path is the FUSE block file + loop device and the NFS path the
 FUSE NFS mount (this kernel has neither nbd nor an NFS client).
 
-Why this file is long: every test shares one module-scoped site (a real storage node on
-a loop pool and the plugin in ``--mode all``), whose teardown checks that no mount is
-left under its root; each test is a sequence of CSI calls in kubelet's order, every
-request a protobuf message spelled out field by field.
+Why this file is long: each test is a sequence of CSI calls in kubelet's order, every
+request a protobuf message spelled out field by field; the site they share (a real
+storage node, the plugin in ``--mode all``) is ``tests/csi_site.py``'s.
+
+The kernel lane's guest runs this module too, on the kernel paths against the host's
+storage node (tests/kernel/test_csi_in_guest.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import errno
 import hashlib
 import os
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -33,72 +34,19 @@ import pytest
 
 from csi import attach, mounts
 from csi.proto import csi_pb2 as pb
-from csi.proto import csi_pb2_grpc as pb_grpc
-from tests.backend_node import BackendNode, make_node
-from tests.csi_plugin import CsiPlugin, Kubelet, write_config
-
-Mode = pb.VolumeCapability.AccessMode
-MIB = 1 << 20
-
-
-@dataclass
-class Site:
-    node: BackendNode
-    plugin: CsiPlugin
-    controller: pb_grpc.ControllerStub
-    nodes: pb_grpc.NodeStub
-    kubelet: Kubelet
-    state_dir: Path
-
-    def plugin_plan_nfs(self) -> str | None:
-        """The NFS path this host's plugin uses (the same probe it runs)."""
-        return attach.probe().nfs
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    root = tmp_path_factory.mktemp("csi-node")
-    node = make_node(root / "sn")
-    plugin = None
-    try:
-        node.start()
-        config = write_config(root / "csi.toml", [{"name": "sn-a", "address": node.address}])
-        state_dir = root / "state"
-        plugin = CsiPlugin(
-            root, "all", config, node_id="worker-1", extra_args=["--state-dir", str(state_dir)]
-        ).start()
-        with plugin.channel() as channel:
-            yield Site(
-                node,
-                plugin,
-                pb_grpc.ControllerStub(channel),  # type: ignore[no-untyped-call]
-                pb_grpc.NodeStub(channel),  # type: ignore[no-untyped-call]
-                Kubelet(root / "kubelet"),
-                state_dir,
-            )
-    finally:
-        if plugin is not None:
-            plugin.stop()
-        node.teardown()
-        leftover_mounts = [
-            e.mount_point for e in mounts.mount_entries() if str(root) in e.mount_point
-        ]
-        assert not leftover_mounts, leftover_mounts
-
-
-def mount_cap(mode: pb.VolumeCapability.AccessMode.Mode, fs: str = "") -> pb.VolumeCapability:
-    return pb.VolumeCapability(
-        mount=pb.VolumeCapability.MountVolume(fs_type=fs), access_mode=Mode(mode=mode)
-    )
-
-
-def block_cap(mode: pb.VolumeCapability.AccessMode.Mode) -> pb.VolumeCapability:
-    return pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume(), access_mode=Mode(mode=mode))
-
-
-def mounted_at(path: Path) -> int:
-    return sum(1 for e in mounts.mount_entries() if e.mount_point == str(path))
-
+from tests.csi_site import (
+    MIB,
+    Mode,
+    Mounted,
+    Site,
+    block_cap,
+    create_publish,
+    mount_cap,
+    mounted,
+    mounted_at,
+    nbd_uri_of,
+    site_fixture,  # noqa: F401  (the module-scoped site)
+)
 
 CASES = {
     "nbd-ext4": ("nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB),
@@ -274,98 +222,6 @@ def test_publish_before_stage_and_bad_paths_are_refused(site: Site) -> None:
 # --------------------------------------------- restarts, reboots, expansion
 
 
-def create_publish(
-    site: Site, kind: str, cap: pb.VolumeCapability, size: int
-) -> tuple[pb.Volume, dict[str, str], str]:
-    info = site.nodes.NodeGetInfo(pb.NodeGetInfoRequest())
-    vol = site.controller.CreateVolume(
-        pb.CreateVolumeRequest(
-            name=f"pvc-{uuid.uuid4()}",
-            capacity_range=pb.CapacityRange(required_bytes=size),
-            volume_capabilities=[cap],
-            parameters={"type": kind},
-        )
-    ).volume
-    ctx = site.controller.ControllerPublishVolume(
-        pb.ControllerPublishVolumeRequest(
-            volume_id=vol.volume_id, node_id=info.node_id, volume_capability=cap
-        )
-    ).publish_context
-    return vol, dict(ctx), info.node_id
-
-
-@dataclass
-class Mounted:
-    vol: pb.Volume
-    ctx: dict[str, str]
-    node_id: str
-    cap: pb.VolumeCapability
-    staging: Path
-    target: Path
-
-    def stage(self, site: Site) -> None:
-        self.staging.mkdir(parents=True, exist_ok=True)
-        site.nodes.NodeStageVolume(
-            pb.NodeStageVolumeRequest(
-                volume_id=self.vol.volume_id,
-                publish_context=self.ctx,
-                staging_target_path=str(self.staging),
-                volume_capability=self.cap,
-                volume_context=self.vol.volume_context,
-            )
-        )
-
-    def publish(self, site: Site) -> None:
-        site.nodes.NodePublishVolume(
-            pb.NodePublishVolumeRequest(
-                volume_id=self.vol.volume_id,
-                publish_context=self.ctx,
-                staging_target_path=str(self.staging),
-                target_path=str(self.target),
-                volume_capability=self.cap,
-                volume_context=self.vol.volume_context,
-            )
-        )
-
-    def stats(self, site: Site) -> pb.NodeGetVolumeStatsResponse:
-        response: pb.NodeGetVolumeStatsResponse = site.nodes.NodeGetVolumeStats(
-            pb.NodeGetVolumeStatsRequest(volume_id=self.vol.volume_id, volume_path=str(self.target))
-        )
-        return response
-
-    def teardown(self, site: Site) -> None:
-        handle = self.vol.volume_id
-        with contextlib.suppress(grpc.RpcError):
-            site.nodes.NodeUnpublishVolume(
-                pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(self.target))
-            )
-        with contextlib.suppress(grpc.RpcError):
-            site.nodes.NodeUnstageVolume(
-                pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(self.staging))
-            )
-        site.controller.ControllerUnpublishVolume(
-            pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=self.node_id)
-        )
-        site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle))
-
-
-def mounted(site: Site, kind: str, cap: pb.VolumeCapability, size: int) -> Mounted:
-    vol, ctx, node_id = create_publish(site, kind, cap, size)
-    pod = str(uuid.uuid4())
-    pv = f"pv-{pod[:8]}"
-    m = Mounted(
-        vol,
-        ctx,
-        node_id,
-        cap,
-        site.kubelet.global_mount(vol.volume_id),
-        site.kubelet.pod_target(pod, pv),
-    )
-    m.stage(site)
-    m.publish(site)
-    return m
-
-
 def test_a_killed_plugin_leaves_pods_working_and_cleans_up_after_restart(site: Site) -> None:
     volumes = [
         mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB),
@@ -416,10 +272,6 @@ def test_after_a_reboot_staging_again_brings_the_data_back(site: Site) -> None:
         assert not m.stats(site).volume_condition.abnormal
     finally:
         m.teardown(site)
-
-
-def nbd_uri_of(ctx: Mapping[str, str]) -> str:
-    return f"nbd://{ctx['host']}:{ctx['port']}/{ctx['exportName']}"
 
 
 @pytest.mark.parametrize("kind", ["nbd", "nfs"])

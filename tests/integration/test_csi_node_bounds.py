@@ -29,16 +29,16 @@ from pathlib import Path
 import grpc
 
 from csi.proto import csi_pb2 as pb
-from tests.integration.test_attach_cli import mount_processes
-from tests.integration.test_csi_node import (
+from tests.csi_site import (
     MIB,
     Mode,
     Mounted,
     Site,
     mount_cap,
     mounted,
-    site,  # noqa: F401  (the module-scoped site)
+    site_fixture,  # noqa: F401  (the module-scoped site)
 )
+from tests.integration.test_attach_cli import mount_processes
 
 # Far longer than any test may wait: only a definitive answer explains an error before it.
 LONG_IO_TIMEOUT = "600"
@@ -136,7 +136,7 @@ def _node_lets_go(on: Site, m: Mounted) -> None:
 def _restart(on: Site) -> None:
     """Start the storage node again, and wait until the plugin reaches it (its channel
     may be in gRPC's reconnect backoff from the time the node was away)."""
-    on.node.start()
+    on.local_node.start()
     deadline = time.monotonic() + PROMPTLY
     while True:
         try:
@@ -157,7 +157,7 @@ def _still_works(on: Site, other: Mounted) -> None:
     assert path.read_bytes() == data
 
 
-def test_an_export_withdrawn_while_staged_fails_the_pods_io_at_once(site: Site) -> None:  # noqa: F811
+def test_an_export_withdrawn_while_staged_fails_the_pods_io_at_once(site: Site) -> None:
     m = _staged_with_io_timeout(site, LONG_IO_TIMEOUT)
     other = mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB)
     writer = Writer(m.target)
@@ -190,7 +190,7 @@ def _gone_longer_than_the_bound(on: Site, kind: str, io_timeout: str) -> float:
     try:
         writer.start()
         assert writer.started_writing.wait(PROMPTLY)
-        on.node.stop()
+        on.local_node.stop()
         stopped = True
         _fails_promptly(writer)
         started = time.monotonic()
@@ -204,12 +204,12 @@ def _gone_longer_than_the_bound(on: Site, kind: str, io_timeout: str) -> float:
             m.teardown(on)
 
 
-def test_a_storage_node_gone_longer_than_io_timeout_fails_io_then_lets_go(site: Site) -> None:  # noqa: F811
+def test_a_storage_node_gone_longer_than_io_timeout_fails_io_then_lets_go(site: Site) -> None:
     _gone_longer_than_the_bound(site, "nbd", "5")
 
 
 def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
-    site: Site,  # noqa: F811
+    site: Site,
 ) -> None:
     """Past the bound, unpublish and unstage wait on nothing: each bounded wait of the
     FUSE NFS mount is spent by then (kubelet's pod deletion waits on these calls)."""
@@ -217,7 +217,7 @@ def test_an_nfs_volume_whose_storage_node_is_gone_lets_go_once_the_bound_passed(
     assert took < NFS_IO_TIMEOUT, f"unpublish and unstage took {took:.0f} s after the bound"
 
 
-def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> None:  # noqa: F811
+def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> None:
     """NodeUnpublishVolume only unbinds: it resolves the pod's target from the mount
     table, never by stat-ing into the volume, so a mount whose server is away (here:
     its FUSE process stopped, which answers nothing) costs it no wait at all."""
@@ -238,7 +238,7 @@ def test_unpublishing_an_nfs_volume_never_looks_into_its_mount(site: Site) -> No
             m.teardown(site)
 
 
-def test_a_storage_node_back_within_io_timeout_is_a_pause(site: Site) -> None:  # noqa: F811
+def test_a_storage_node_back_within_io_timeout_is_a_pause(site: Site) -> None:
     """Stopped and started again (its exports come back with it): the writer goes on,
     and what it wrote reads back equal after the volume is staged anew."""
     m = _staged_with_io_timeout(site, "300")
@@ -247,7 +247,7 @@ def test_a_storage_node_back_within_io_timeout_is_a_pause(site: Site) -> None:  
     try:
         writer.start()
         assert writer.started_writing.wait(PROMPTLY)
-        site.node.stop()
+        site.local_node.stop()
         _restart(site)
         before = writer.written
         deadline = time.monotonic() + PROMPTLY

@@ -9,8 +9,8 @@ run are those for services and flags this plugin does not claim.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,11 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.backend_node import BackendNode, make_node
-from tests.csi_plugin import CsiPlugin, write_config
+from tests.backend_node import (
+    BackendNode,
+    RemoteNode,
+    plugin_entry,
+    storage_node,
+    this_node_address,
+)
+from tests.csi_plugin import CsiPlugin, sanity_binary, write_config
 
 ZONE = "topology.csi.moorage.dev/zone"
-NODE_SECTION = f'[node]\naddress = "127.0.0.1"\n[node.topology]\n"{ZONE}" = "a"\n'
+
+
+def node_section(address: str) -> str:
+    return f'[node]\naddress = "{address}"\n[node.topology]\n"{ZONE}" = "a"\n'
+
+
 # Specs that may be skipped, and why: none of them is a capability we claim.
 ALLOWED_SKIPS = {
     "should fail when publishing more volumes than the node max attach limit",  # opt-in flag
@@ -30,17 +41,10 @@ ALLOWED_SKIPS = {
 OUR_SERVICES = ("Identity Service", "[Controller Server]")
 
 
-def sanity_binary() -> Path:
-    path = os.environ.get("MOORAGE_CSI_SANITY")
-    assert path, "MOORAGE_CSI_SANITY is not set: run the tests through make (make test)"
-    assert os.access(path, os.X_OK), f"{path} is missing: make tools builds it"
-    return Path(path)
-
-
 @dataclass
 class Site:
     root: Path
-    node: BackendNode
+    node: BackendNode | RemoteNode
     controller: CsiPlugin
     plugin_node: CsiPlugin
     plugin_all: CsiPlugin
@@ -49,22 +53,19 @@ class Site:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     root = tmp_path_factory.mktemp("sanity")
-    node = make_node(root / "sn")
-    plugins: list[CsiPlugin] = []
-    try:
-        node.start()
-        storage = [{"name": "sn-a", "address": node.address, "topology": {ZONE: "a"}}]
-        config = write_config(root / "csi.toml", storage, NODE_SECTION)
-        plugins.append(CsiPlugin(root, "controller", config).start())
+    with contextlib.ExitStack() as stack:
+        node = stack.enter_context(storage_node(root / "sn"))
+        here = this_node_address()
+        storage = [plugin_entry(node, "sn-a", topology={ZONE: "a"})]
+        config = write_config(root / "csi.toml", storage, node_section(here))
         # csi-sanity's staging and target directories are under ROOT/<run>
         kubelet = ["--kubelet-dir", str(root)]
-        plugins.append(CsiPlugin(root, "node", config, extra_args=kubelet).start())
-        plugins.append(CsiPlugin(root, "all", config, extra_args=kubelet).start())
+        plugins: list[CsiPlugin] = []
+        for mode, extra in (("controller", []), ("node", kubelet), ("all", kubelet)):
+            plugin = CsiPlugin(root, mode, config, node_address=here, extra_args=extra)
+            stack.callback(plugin.stop)
+            plugins.append(plugin.start())
         yield Site(root, node, *plugins)
-    finally:
-        for p in plugins:
-            p.stop()
-        node.teardown()
 
 
 def run_sanity(
