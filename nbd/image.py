@@ -61,6 +61,14 @@ class Image:
         self.can_punch = True
         self.can_zero_range = True
 
+    def grown_size(self) -> int:
+        """The image's size now, when it grew since it was opened (an expanded
+        volume): a client told of the growth some other way (the kernel nbd
+        driver is resized over netlink, its connection kept) may use it.  The
+        size is never lowered: a volume never shrinks under its clients."""
+        self.size = max(self.size, os.lseek(self.fd, 0, os.SEEK_END))
+        return self.size
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -287,6 +287,8 @@ class Transmission:
             return Errno.EINVAL, "read longer than maximum payload"
         size = self.image.size
         if req.offset > size or req.length > size - req.offset:
+            size = self.image.grown_size()  # beyond the handshake's size: did it grow?
+        if req.offset > size or req.length > size - req.offset:
             if req.type in (Command.WRITE, Command.WRITE_ZEROES):
                 return Errno.ENOSPC, "beyond end of export"
             return Errno.EINVAL, "beyond end of export"

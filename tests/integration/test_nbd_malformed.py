@@ -13,6 +13,7 @@ another client is still served.
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 from collections.abc import AsyncIterator
@@ -733,3 +734,23 @@ async def test_a_bug_met_by_one_connection_closes_only_that_connection(
         assert await bystander.read(0, 4096) == content(image, 0, 4096)
         await bystander.disconnect()
         await e.assert_healthy()
+
+
+async def test_an_image_grown_under_a_connection_serves_its_new_end(image: Path) -> None:
+    """An expanded volume: the kernel nbd driver is resized over netlink and keeps its
+    connection, so what lies past the handshake's size but inside the image now is
+    served; past the new end is still refused, and the size never shrinks."""
+    async with env(image) as e:
+        client = await e.client()
+        assert (await client.call(Command.READ, SIZE, 4096)).error == Errno.EINVAL
+        os.truncate(image, 2 * SIZE)
+        data = b"\x5a" * 4096
+        assert (await client.call(Command.WRITE, 2 * SIZE - 4096, 4096, payload=data)).error == 0
+        assert await client.read(2 * SIZE - 4096, 4096) == data
+        assert (await client.call(Command.READ, 2 * SIZE, 512)).error == Errno.EINVAL
+        over = await client.call(Command.WRITE, 2 * SIZE, 512, payload=b"\x01" * 512)
+        assert over.error == Errno.ENOSPC
+        await client.disconnect()
+        assert image.stat().st_size == 2 * SIZE
+        # and a new connection is told the new size
+        assert await nbdinfo_size(f"nbd://127.0.0.1:{e.port}/disk") == 2 * SIZE
