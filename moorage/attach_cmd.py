@@ -21,6 +21,7 @@ record.  The FUSE processes log there too.  The paths can be forced with ``MOORA
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import re
@@ -99,6 +100,14 @@ def attach_probe(as_json: bool = typer.Option(False, "--json", help="Print JSON.
     typer.echo(f"  {plan.nfs_reason}")
 
 
+class KernelInterface(enum.StrEnum):
+    """``attach nbd --kernel-interface`` (nbd.kernel.KERNEL_INTERFACES)."""
+
+    auto = "auto"
+    netlink = "netlink"
+    ioctl = "ioctl"
+
+
 @attach_app.command("nbd")
 def attach_nbd(
     uri: str = typer.Argument(..., help="nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=P"),
@@ -112,6 +121,12 @@ def attach_nbd(
         max=MAX_IO_TIMEOUT,
         help="Seconds I/O waits for a server that went away before failing with EIO.",
     ),
+    kernel_interface: KernelInterface = typer.Option(
+        KernelInterface.auto,
+        "--kernel-interface",
+        help="Kernel nbd path: netlink (reconnect, dead-connection timeout, resize), the "
+        "older ioctls, or auto (netlink when the kernel has it).",
+    ),
     state_dir: Path = _STATE_DIR,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -124,7 +139,12 @@ def attach_nbd(
     plan = _plan("attach nbd")
     with _errors("attach nbd"):
         device = attach.attach_block(
-            uri, state_dir, plan, connections=connections, io_timeout=io_timeout
+            uri,
+            state_dir,
+            plan,
+            connections=connections,
+            io_timeout=io_timeout,
+            kernel_interface=kernel_interface.value,
         )
     if as_json:
         print_json({"device": device, "uri": uri})

@@ -214,9 +214,15 @@ def _netlink_family() -> GenlFamily:
     return family
 
 
+# Which of the driver's interfaces attach uses: "auto" prefers netlink (dead-connection
+# timeout, reconnect, resize) and falls back to the ioctls; the others insist on one.
+KERNEL_INTERFACES = ("auto", "netlink", "ioctl")
+
+
 def attach_kernel(
     negotiated: Negotiated,
     *,
+    interface: str = "auto",
     index: int | None = None,
     block_size: int | None = None,
     io_timeout: int | None = None,
@@ -230,13 +236,20 @@ def attach_kernel(
     Timeouts are in seconds; None leaves the kernel's default.  After success
     the kernel holds its own reference to the socket, and the caller may
     close ``negotiated.sock``.  Raises ``KernelNBDUnavailable`` (touching
-    nothing) when the host has no nbd driver.
+    nothing) when the host has no nbd driver, or not the ``interface`` asked for
+    (one of ``KERNEL_INTERFACES``).
     """
+    if interface not in KERNEL_INTERFACES:
+        raise ValueError(f"kernel nbd interface must be one of {', '.join(KERNEL_INTERFACES)}")
     _refuse_tls(negotiated)
     _check_server_limits(negotiated)
     bs = kernel_block_size(negotiated, block_size)
     support = probe_kernel_nbd(load_module=load_module)
-    if support.family is not None:
+    if interface == "netlink" and support.family is None:
+        raise KernelNBDUnavailable(f"no netlink interface to the nbd driver: {support.reason}")
+    if interface == "ioctl" and not support.ioctl:
+        raise KernelNBDUnavailable(f"no ioctl interface to the nbd driver: {support.reason}")
+    if support.family is not None and interface != "ioctl":
         family = support.family
         request = lambda seq: nbd_connect_request(  # noqa: E731
             family.id,
@@ -259,7 +272,7 @@ def attach_kernel(
         return f"/dev/nbd{parse_connect_reply(replies, family.id)}"
     if support.ioctl:
         return _attach_ioctl(negotiated, index, bs, io_timeout)
-    raise KernelNBDUnavailable(support.reason)
+    raise KernelNBDUnavailable(support.reason)  # (interface "auto": neither works)
 
 
 def detach_kernel(device: str) -> None:

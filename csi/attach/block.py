@@ -121,6 +121,7 @@ def attach_block(
     connections: int = 4,
     timeout: float = 30.0,
     io_timeout: float = DEFAULT_IO_TIMEOUT,
+    kernel_interface: str = "auto",
 ) -> str:
     """Attach the NBD export at ``uri``; its block device ("/dev/nbdN" or "/dev/loopN").
 
@@ -128,10 +129,20 @@ def attach_block(
     the kernel path uses one.  ``timeout`` bounds connecting;  ``io_timeout``
     is how long I/O waits for a server that went away before it fails with
     EIO (the FUSE file's timeout; the kernel's request timeout and dead
-    connection timeout).  Already attached: its device.
+    connection timeout).  ``kernel_interface`` is the kernel path's
+    (``nbd.kernel.KERNEL_INTERFACES``: the ioctls give no dead-connection
+    timeout and no reconnect).  Already attached: its device.
     """
     if plan.block is None:
         raise PathUnavailable(f"no block path on this host: {plan.block_reason}")
+    if kernel_interface not in nbd_kernel.KERNEL_INTERFACES:
+        choices = ", ".join(nbd_kernel.KERNEL_INTERFACES)
+        raise AttachError(f"kernel nbd interface {kernel_interface!r}: expected one of {choices}")
+    if kernel_interface != "auto" and plan.block != "kernel-nbd":
+        raise PathUnavailable(
+            f"the {kernel_interface} interface of kernel nbd was asked for, but this host's "
+            f"block path is {plan.block}: {plan.block_reason}"
+        )
     try:
         nbd_client.parse_nbd_uri(uri)
     except ValueError as e:
@@ -153,11 +164,15 @@ def attach_block(
         return attachment.device
     for a in existing:  # a kernel record whose device is gone: forget it
         _detach_kernel(a.device, state_dir)
-    return _attach_kernel(uri, state_dir, timeout, io_timeout)
+    return _attach_kernel(uri, state_dir, timeout, io_timeout, kernel_interface)
 
 
 def _attach_kernel(
-    uri: str, state_dir: str | os.PathLike[str], timeout: float, io_timeout: float
+    uri: str,
+    state_dir: str | os.PathLike[str],
+    timeout: float,
+    io_timeout: float,
+    interface: str = "auto",
 ) -> str:
     try:
         negotiated = nbd_client.connect_uri(uri, timeout)
@@ -168,7 +183,11 @@ def _attach_kernel(
         # a request unanswered for half the bound fails the connection; the device
         # then waits the other half for a new one (NBD_CMD_RECONFIGURE), then fails I/O
         device = nbd_kernel.attach_kernel(
-            negotiated, backend_identifier=uri, io_timeout=seconds, dead_conn_timeout=seconds
+            negotiated,
+            interface=interface,
+            backend_identifier=uri,
+            io_timeout=seconds,
+            dead_conn_timeout=seconds,
         )
     except nbd_kernel.KernelNBDError as e:
         raise AttachError(f"attaching {uri} to the kernel's nbd driver failed: {e}") from e

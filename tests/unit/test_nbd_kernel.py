@@ -303,3 +303,40 @@ def test_ioctl_attach_configures_then_reports_a_failed_do_it(
             (0xAB00, negotiated.sock.fileno()),
         ]
     assert kernel._do_it_children == {}
+
+
+def test_the_interface_asked_for_is_the_one_used_or_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    family = GenlFamily(FAMILY, "nbd", 1, {})
+    used: list[str] = []
+
+    def attach_ioctl(*args: object) -> str:
+        used.append("ioctl")
+        return "/dev/nbd1"
+
+    monkeypatch.setattr(kernel, "_attach_ioctl", attach_ioctl)
+    monkeypatch.setattr(kernel, "GenericNetlink", FakeNetlink)
+    FakeNetlink.sent = []
+    FakeNetlink.replies = [nlhdr(28, FAMILY, 0, 42, PORT_ID) + genlhdr(1, 1) + u16(8) + u16(1)
+                           + u32(0)]  # fmt: skip
+    negotiated, peer = socketpair_negotiated()
+    with negotiated.sock, peer:
+        both = kernel.KernelSupport(True, True, "both", family)
+        monkeypatch.setattr(kernel, "probe_kernel_nbd", lambda **_: both)
+        assert kernel.attach_kernel(negotiated, interface="ioctl") == "/dev/nbd1"
+        assert used == ["ioctl"] and FakeNetlink.sent == []  # netlink was there, not used
+        assert kernel.attach_kernel(negotiated, interface="netlink") == "/dev/nbd0"
+        assert used == ["ioctl"] and len(FakeNetlink.sent) == 1
+
+        ioctl_only = kernel.KernelSupport(False, True, "ioctl only")
+        monkeypatch.setattr(kernel, "probe_kernel_nbd", lambda **_: ioctl_only)
+        with pytest.raises(kernel.KernelNBDUnavailable, match="no netlink interface"):
+            kernel.attach_kernel(negotiated, interface="netlink")
+        netlink_only = kernel.KernelSupport(True, False, "netlink only", family)
+        monkeypatch.setattr(kernel, "probe_kernel_nbd", lambda **_: netlink_only)
+        with pytest.raises(kernel.KernelNBDUnavailable, match="no ioctl interface"):
+            kernel.attach_kernel(negotiated, interface="ioctl")
+        with pytest.raises(ValueError, match="must be one of auto, netlink, ioctl"):
+            kernel.attach_kernel(negotiated, interface="sysfs")
+        assert used == ["ioctl"] and len(FakeNetlink.sent) == 1  # nothing more was attempted
