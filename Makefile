@@ -105,12 +105,12 @@ guest: host $(GUEST)
 # The kernel paths (kernel nbd, the kernel NFS client) in a QEMU guest with
 # Debian's cloud kernel: this host's kernel has neither (docs/kernel-lane.md).
 KERNEL_ARGS ?= tests/kernel
-test-kernel: host proto $(GUEST)
+test-kernel: host proto tools $(GUEST)
 	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA --timeout=900 \
 		$(KERNEL_ARGS)
 
 # A shell on the guest's console (the tree under test in it); exit powers it off.
-kernel-shell: host proto $(GUEST)
+kernel-shell: host proto tools $(GUEST)
 	$(PY) -m tests.kernel.guest shell
 
 # One build for all of them: any one missing rebuilds the set.

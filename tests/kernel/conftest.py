@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,12 @@ import pytest
 
 from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
-from tests.kernel.guest import GUEST_IP, HOST_IP, Lane, lane
+from tests.csi_plugin import sanity_binary
+from tests.kernel.guest import API_PORT, GUEST_IP, HOST_IP, Lane, lane
 
 NODE_ID = "kernel-lane"
+# What runs inside the guest (tests/kernel/test_csi_in_guest.py runs it there).
+collect_ignore = [] if os.environ.get("MOORAGE_IN_GUEST") else ["inguest"]
 _names = itertools.count()
 
 
@@ -67,16 +71,29 @@ class Store:
 
 @pytest.fixture(scope="session")
 def guest(guest_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lane]:
-    with lane(guest_dir, tmp_path_factory.mktemp("lane")) as running:
+    with lane(guest_dir, tmp_path_factory.mktemp("lane"), [sanity_binary()]) as running:
         yield running
+
+
+# Where the guest keeps the token the storage node's API on the lane's network
+# (API_PORT, beside the unix socket the host's tests use) asks for.
+GUEST_TOKEN = "/etc/moorage/token"
 
 
 @pytest.fixture(scope="session")
 def store(guest: Lane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    node = make_node(tmp_path_factory.mktemp("store") / "node")
+    root = tmp_path_factory.mktemp("store")
+    token = secrets.token_hex(24)
+    node = make_node(root / "node")
     node.netns = guest.netns
     node.nbd_host = HOST_IP
     node.nfs_advertise = HOST_IP
+    node.also_listen = f"{HOST_IP}:{API_PORT}"
+    node.token_file = root / "token"
+    node.token_file.write_text(token + "\n")
+    node.token_file.chmod(0o600)
+    guest.run("sh", "-euc", f"umask 077; mkdir -p {Path(GUEST_TOKEN).parent}; cat > {GUEST_TOKEN}",
+              input=token + "\n")  # fmt: skip
     try:
         node.start()
         yield Store(node)

@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,14 @@ GUEST_IP = "10.252.0.2"
 PREFIX = 24
 GUEST_MEMORY_MIB = 3072
 BOOT_TIMEOUT = 180.0
+API_PORT = 7443  # the storage node's API on the lane's network, beside its unix socket
 MARGIN = 30.0  # what a request may take beyond the command's own timeout
 
 # What the guest never runs: the host's checks and build tools, caches.
 _SKIP_DIRS = {".git", "build", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis",
               "__pycache__", ".moorage"}  # fmt: skip
 _SKIP_SITE_PACKAGES = ("mypy", "mypyc", "kubernetes_validate", "grpc_tools", "pip",
-                       "psycopg_binary", "ruff", "deptry", "pygments")  # fmt: skip
+                       "psycopg_binary", "ruff", "deptry")  # fmt: skip
 
 
 class GuestError(AssertionError):
@@ -109,13 +110,15 @@ def interpreter_home() -> Path | None:
     return None if base == Path("/usr") else base
 
 
-def tree_archive(out: Path, tree: Path = REPO) -> None:
-    """A newc archive of ``tree`` and the .venv's interpreter, at their absolute
-    paths, parents first."""
+def tree_archive(out: Path, tree: Path = REPO, extra: Sequence[Path] = ()) -> None:
+    """A newc archive of ``tree``, the .venv's interpreter and the ``extra`` files
+    (tools the tests run in the guest: csi-sanity), at their absolute paths,
+    parents first."""
     roots: list[tuple[Path, Callable[[Path], bool]]] = [(tree, _skip)]
     home = interpreter_home()
     if home is not None:
         roots.append((home, _skip_base))
+    roots += [(path, lambda _: False) for path in extra]
     names: list[str] = []
     seen: set[str] = set()
     for root, skip in roots:
@@ -136,9 +139,10 @@ def tree_archive(out: Path, tree: Path = REPO) -> None:
 class Lane:
     """The namespace, the guest and its agent (see the module docstring)."""
 
-    def __init__(self, guest_dir: Path, work: Path) -> None:
+    def __init__(self, guest_dir: Path, work: Path, extra: Sequence[Path] = ()) -> None:
         self.guest_dir = guest_dir
         self.work = work
+        self.extra = list(extra)
         self.netns = f"mkl-{os.getpid()}"
         self.console = work / "console.log"
         self.qemu: subprocess.Popen[bytes] | None = None
@@ -159,7 +163,7 @@ class Lane:
         """The cached root filesystem followed by the tree under test."""
         initrd = self.work / "initrd.cpio"
         tree = self.work / "tree.cpio"
-        tree_archive(tree)
+        tree_archive(tree, extra=self.extra)
         with initrd.open("wb") as out:
             for part in (self.guest_dir / "base.cpio", tree):
                 with part.open("rb") as f:
@@ -306,8 +310,8 @@ class Lane:
 
 
 @contextlib.contextmanager
-def lane(guest_dir: Path, work: Path) -> Iterator[Lane]:
-    running = Lane(guest_dir, work)
+def lane(guest_dir: Path, work: Path, extra: Sequence[Path] = ()) -> Iterator[Lane]:
+    running = Lane(guest_dir, work, extra)
     try:
         running.create_network()
         running.boot()
@@ -319,6 +323,7 @@ def lane(guest_dir: Path, work: Path) -> Iterator[Lane]:
 def main() -> None:
     """``python -m tests.kernel.guest shell``: the guest with a shell on this terminal,
     and a storage node in the lane's namespace (``make kernel-shell``)."""
+    import secrets
     import tempfile
 
     from tests.backend_node import make_node
@@ -329,15 +334,21 @@ def main() -> None:
     if not (guest_dir / "base.cpio").is_file():
         raise SystemExit(f"no guest at {guest_dir!s}: run make kernel-shell (it builds one)")
     with tempfile.TemporaryDirectory(prefix="moorage-lane-") as tmp:
-        running = Lane(guest_dir, Path(tmp))
+        running = Lane(guest_dir, Path(tmp), [Path(os.environ["MOORAGE_CSI_SANITY"])]
+                       if os.environ.get("MOORAGE_CSI_SANITY") else [])  # fmt: skip
         node = make_node(Path(tmp) / "store")
         node.netns, node.nbd_host, node.nfs_advertise = running.netns, HOST_IP, HOST_IP
+        token = secrets.token_hex(24)
+        node.also_listen, node.token_file = f"{HOST_IP}:{API_PORT}", Path(tmp) / "token"
+        node.token_file.write_text(token + "\n")
+        node.token_file.chmod(0o600)
         try:
             running.create_network()
             node.start()
             print(f"storage node: NBD {HOST_IP}:{node.nbd_port}, NFS port {node.nfs_port}, "
                   f"MOUNT port {node.mount_port}; its API from this host: "
-                  f"MOORAGE_BACKEND={node.address} moorage volume ...")  # fmt: skip
+                  f"MOORAGE_BACKEND={node.address} moorage volume --token-file {node.token_file} "
+                  f"...; from the guest: {node.also_listen} with the token {token}")  # fmt: skip
             print("the guest's console follows (Ctrl-A X quits QEMU)")
             running.shell()
         finally:

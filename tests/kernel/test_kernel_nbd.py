@@ -28,11 +28,12 @@ def test_the_probe_picks_the_kernel_paths_in_the_guest(guest: Lane) -> None:
     assert guest.kernel_release.endswith("-cloud-amd64")
 
 
-def _attach(guest: Lane, target: pb.PublishVolumeResponse) -> str:
+def _attach(guest: Lane, target: pb.PublishVolumeResponse, interface: str = "auto") -> str:
     """``moorage attach nbd`` in the guest: the device it made (/dev/nbdN)."""
     nbd = target.nbd
     uri = f"nbd://{nbd.host}:{nbd.port}/{nbd.export_name}"
-    attached = json.loads(guest.moorage("attach", "nbd", uri, "--json").stdout)
+    out = guest.moorage("attach", "nbd", uri, "--json", "--kernel-interface", interface)
+    attached = json.loads(out.stdout)
     device = str(attached["device"])
     assert device.startswith("/dev/nbd"), attached
     return device
@@ -61,6 +62,46 @@ def test_a_filesystem_on_kernel_nbd_reads_back_equal_and_checks_clean(
         # detached and attached again: what is read comes from the server
         guest.moorage("detach", device)
         device = _attach(guest, store.publish(volume))
+        out = guest.sh(
+            f"mount -o ro {device} {mnt}\n"
+            f"sha256sum {mnt}/data | cut -d' ' -f1\n"
+            f"cat /tmp/{volume.name}.sum\n"
+            f"umount {mnt}\n",
+            timeout=300,
+        ).stdout.split()
+        assert out[0] == out[1], out
+    finally:
+        guest.run("umount", mnt, check=False)
+        guest.moorage("detach", device, check=False)
+        store.unpublish(volume)
+        store.delete(volume)
+
+
+def test_the_ioctl_interface_attaches_when_asked_and_netlink_reads_it_back(
+    guest: Lane, store: Store
+) -> None:
+    """The older interface (the fallback for a kernel without nbd's netlink family):
+    NBD_SET_* ioctls, then NBD_DO_IT in a process of its own."""
+    volume = store.volume("nbd", 256 * MIB)
+    device = _attach(guest, store.publish(volume), interface="ioctl")
+    mnt = f"/mnt/{volume.name}"
+    sysfs = f"/sys/block/{device[5:]}"
+    try:
+        # given through netlink only: an ioctl-made device has no backend identifier
+        assert guest.run("test", "-e", f"{sysfs}/backend", check=False).rc == 1
+        do_it = guest.run("cat", f"{sysfs}/pid").stdout.strip()
+        assert "NBD_DO_IT" in guest.run("cat", f"/proc/{do_it}/cmdline").stdout
+        guest.sh(
+            f"mkfs.ext4 -q {device} && mkdir -p {mnt} && mount {device} {mnt}\n"
+            f"head -c {16 * MIB} /dev/urandom > {mnt}/data\n"
+            f"sha256sum {mnt}/data | cut -d' ' -f1 > /tmp/{volume.name}.sum\n"
+            f"umount {mnt} && e2fsck -fn {device}\n",
+            timeout=300,
+        )
+        guest.moorage("detach", device)
+        assert guest.run("cat", f"{sysfs}/size").stdout.strip() == "0"
+        device = _attach(guest, store.publish(volume), interface="netlink")
+        assert "nbd://" in guest.run("cat", f"/sys/block/{device[5:]}/backend").stdout
         out = guest.sh(
             f"mount -o ro {device} {mnt}\n"
             f"sha256sum {mnt}/data | cut -d' ' -f1\n"
