@@ -17,7 +17,7 @@ import grpc
 
 from csi import attach, capabilities, ephemeral, mounts, nodereconcile, stage, volumestats
 from csi.config import NODE_TOPOLOGY_KEY, NodeConfig
-from csi.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from csi.errors import AlreadyExists, CsiError, FailedPrecondition, InvalidArgument, NotFound
 from csi.ids import NodeRef, node_id
 from csi.kubeletpaths import DEFAULT_ROOT, KubeletPaths, absolute, check_free, leave_alone
 from csi.locks import OperationLocks
@@ -306,17 +306,24 @@ class NodeService(pb_grpc.NodeServicer):
                     f"volume {volume_id} is published at {target} "
                     f"{'read-only' if known.read_only else 'read-write'}"
                 )
-            if known is None and not self._bind_of(record, target):
+            group = request.volume_capability.mount.volume_mount_group
+            gid = stage.mount_group_id(group) if group and not read_only else None
+            fresh = known is None and not self._bind_of(record, target)
+            if fresh:
                 check_free(target, "target_path", file_ok=access == "block")
             record.published[str(target)] = Publication(str(target), read_only, pod)
             self.state.put(record)
-            if access == "block":
-                stage.bind(staging / stage.DEVICE_FILE, target, read_only, is_file=True)
-            else:
-                stage.bind(staging, target, read_only, is_file=False)
-                group = request.volume_capability.mount.volume_mount_group
-                if group and not read_only:
-                    stage.apply_mount_group(target, group)
+            try:
+                if access == "block":
+                    stage.bind(staging / stage.DEVICE_FILE, target, read_only, is_file=True)
+                else:
+                    stage.bind(staging, target, read_only, is_file=False)
+                    if gid is not None:
+                        stage.apply_mount_group(target, gid)
+            except BaseException:
+                if fresh:  # a refused publish leaves nothing: no bind, no path, no record
+                    self._undo_publish(record, target)
+                raise
         log.info(
             "volume %s published at %s%s%s",
             volume_id,
@@ -430,6 +437,17 @@ class NodeService(pb_grpc.NodeServicer):
                 self.state.put(record)
         log.info("volume %s unpublished from %s", volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
+
+    def _undo_publish(self, record: StagedVolume, target: Path) -> None:
+        try:
+            if mounts.mount_entry(str(target)) is not None:
+                stage.unmount(target)
+            stage.remove_path(target)
+        except (CsiError, OSError) as e:
+            log.error("undoing the publish of %s at %s: %s", record.volume_id, target, e)
+            return  # the publication stays recorded: NodeUnpublishVolume finds it
+        record.published.pop(str(target), None)
+        self.state.put(record)
 
     def _bind_of(self, record: StagedVolume, target: Path) -> bool:
         """Whether ``target`` holds a bind of the volume's staging mount."""

@@ -226,10 +226,8 @@ def bind(source: Path, target: Path, read_only: bool, is_file: bool) -> None:
         raise FailedPrecondition(f"cannot make {target}: {e.strerror}") from e
 
 
-def apply_mount_group(root: Path, group: str) -> None:
-    """Give the volume's files to ``group`` (VOLUME_MOUNT_GROUP, the pod's fsGroup):
-    group owner, group read/write, setgid directories.  Skipped when the root
-    already belongs to the group (as Kubernetes' OnRootMismatch)."""
+def mount_group_id(group: str) -> int:
+    """VOLUME_MOUNT_GROUP (the pod's fsGroup, a number or a group's name) as a gid."""
     try:
         gid = int(group)
     except ValueError:
@@ -239,6 +237,13 @@ def apply_mount_group(root: Path, group: str) -> None:
             raise InvalidArgument(f"volume_mount_group {group[:40]!r} is not a group") from e
     if gid < 0:
         raise InvalidArgument("volume_mount_group cannot be negative")
+    return gid
+
+
+def apply_mount_group(root: Path, gid: int) -> None:
+    """Give the volume's files to group ``gid`` (VOLUME_MOUNT_GROUP, the pod's fsGroup):
+    group owner, group read/write, setgid directories.  Skipped when the root
+    already belongs to the group (as Kubernetes' OnRootMismatch)."""
     try:
         if os.stat(root).st_gid == gid:
             return

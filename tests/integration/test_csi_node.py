@@ -453,3 +453,49 @@ def test_ephemeral_volume_survives_a_plugin_restart_and_is_deleted_after(site: S
     with site.node.client() as c:
         assert not [v.name for v in c.list_volumes(1000).volumes if v.name.startswith("eph-")]
     assert mounted_at(target) == 0
+
+
+def test_a_refused_publish_leaves_nothing_behind(site: Site) -> None:
+    """An NFS volume that squashes root cannot be given to a pod's fsGroup: the
+    publish is refused, and neither a bind nor the target nor a record of it stays
+    (kubelet would otherwise find a mount it never got and a pod stuck Terminating)."""
+    m = mounted(site, "nfs", mount_cap(Mode.MULTI_NODE_MULTI_WRITER), 64 * MIB)
+    pod = m.target.parent.parent / "grouped" / "mount"
+
+    def publish(group: str) -> None:
+        grouped = pb.VolumeCapability()
+        grouped.CopyFrom(m.cap)
+        grouped.mount.volume_mount_group = group
+        site.nodes.NodePublishVolume(
+            pb.NodePublishVolumeRequest(
+                volume_id=m.vol.volume_id,
+                publish_context=m.ctx,
+                staging_target_path=str(m.staging),
+                target_path=str(pod),
+                volume_capability=grouped,
+                volume_context=m.vol.volume_context,
+            )
+        )
+
+    try:
+        for _ in range(2):  # and again, as kubelet retries
+            with pytest.raises(grpc.RpcError) as e:
+                publish("1000")
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert "cannot give" in (e.value.details() or "")
+            assert mounted_at(pod) == 0 and not pod.exists()
+            states = [p.read_text() for p in (site.state_dir / "volumes").glob("*.json")]
+            assert not any(str(pod) in t for t in states), states
+        # the pod's other volume, published before, is untouched
+        (m.target / "still").write_text("here\n")
+        # a group that is no group is refused before anything is done
+        with pytest.raises(grpc.RpcError) as e:
+            publish("no-such-group-anywhere")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not pod.exists()
+    finally:
+        with contextlib.suppress(grpc.RpcError):  # what a failing run may have left
+            site.nodes.NodeUnpublishVolume(
+                pb.NodeUnpublishVolumeRequest(volume_id=m.vol.volume_id, target_path=str(pod))
+            )
+        m.teardown(site)
