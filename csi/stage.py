@@ -111,13 +111,31 @@ def mount_filesystem(
         if found not in mounts.FSTYPES:
             raise FailedPrecondition(f"{device} holds {found}, which this plugin does not mount")
         staging.mkdir(parents=True, exist_ok=True)
+        if found == "ext4" and not read_only and _smaller_than_device(device, found):
+            # a volume restored from a snapshot (or cloned) into a larger one
+            mounts.grow_filesystem_offline(device, found)
+            log.info("grew the ext4 on %s to its device", device)
         options = [*flags, *(["ro"] if read_only else [])]
+        if found == "xfs" and "nouuid" not in options:
+            # a restored or cloned volume carries its source's UUID, and both may be
+            # mounted on one node: xfs refuses a duplicate UUID unless told not to look
+            options.append("nouuid")
         mounts.mount(device, staging, found, options)
+        if found == "xfs" and not read_only and _smaller_than_device(device, found, staging):
+            mounts.grow_filesystem(staging, found)  # xfs grows mounted only
+            log.info("grew the xfs on %s to its device", device)
     except mounts.FilesystemError as e:
         raise FailedPrecondition(str(e)) from e
     except mounts.MountError as e:
         raise Internal(str(e)) from e
     return found
+
+
+def _smaller_than_device(device: str, fstype: str, mount_point: Path | None = None) -> bool:
+    """Whether the filesystem leaves a whole block of its device or more unused."""
+    return mounts.filesystem_bytes(device, fstype, mount_point) + 4096 <= mounts.device_bytes(
+        device
+    )
 
 
 def bind_device(device: str, staging: Path) -> Path:

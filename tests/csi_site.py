@@ -107,7 +107,11 @@ def mounted_at(path: Path) -> int:
 
 
 def create_publish(
-    site: Site, kind: str, cap: pb.VolumeCapability, size: int
+    site: Site,
+    kind: str,
+    cap: pb.VolumeCapability,
+    size: int,
+    content: pb.VolumeContentSource | None = None,
 ) -> tuple[pb.Volume, dict[str, str], str]:
     info = site.nodes.NodeGetInfo(pb.NodeGetInfoRequest())
     vol = site.controller.CreateVolume(
@@ -116,6 +120,7 @@ def create_publish(
             capacity_range=pb.CapacityRange(required_bytes=size),
             volume_capabilities=[cap],
             parameters={"type": kind},
+            volume_content_source=content,
         )
     ).volume
     ctx = site.controller.ControllerPublishVolume(
@@ -181,8 +186,15 @@ class Mounted:
         site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle))
 
 
-def mounted(site: Site, kind: str, cap: pb.VolumeCapability, size: int) -> Mounted:
-    vol, ctx, node_id = create_publish(site, kind, cap, size)
+def mounted(
+    site: Site,
+    kind: str,
+    cap: pb.VolumeCapability,
+    size: int,
+    content: pb.VolumeContentSource | None = None,
+) -> Mounted:
+    """A volume made (from ``content`` when given), staged and published into a pod."""
+    vol, ctx, node_id = create_publish(site, kind, cap, size, content)
     pod = str(uuid.uuid4())
     pv = f"pv-{pod[:8]}"
     m = Mounted(

@@ -210,6 +210,43 @@ def grow_filesystem(
         raise
 
 
+_EXT4_FIELD = r"^{}:\s+(\d+)\s*$"
+_XFS_DATA = re.compile(r"^data\s*=\s*bsize=(\d+)\s+blocks=(\d+)", re.M)
+
+
+def filesystem_bytes(
+    device: str | os.PathLike[str], fstype: str, mount_point: str | os.PathLike[str] | None = None
+) -> int:
+    """How much of ``device`` its filesystem spans (not what is free in it): ext4
+    from its superblock (``dumpe2fs -h``, mounted or not), xfs from its geometry
+    (``xfs_info MOUNT_POINT``: xfs is read mounted)."""
+    dev = validate_device(device)
+    fs = _validate_fs(fstype)
+    if fs == "ext4":
+        out = tools.run(["dumpe2fs", "-h", dev], TIMEOUT).stdout
+        count = re.search(_EXT4_FIELD.format("Block count"), out, re.M)
+        size = re.search(_EXT4_FIELD.format("Block size"), out, re.M)
+        if count and size:
+            return int(count[1]) * int(size[1])
+    else:
+        if mount_point is None:
+            raise FilesystemError(f"the size of the xfs on {dev} is read while it is mounted")
+        out = tools.run(["xfs_info", validate_path(mount_point, "mount point")], TIMEOUT).stdout
+        data = _XFS_DATA.search(out)
+        if data:
+            return int(data[1]) * int(data[2])
+    raise FilesystemError(f"cannot read the size of the {fs} on {dev} from: {out[-300:]!r}")
+
+
+def device_bytes(device: str | os.PathLike[str]) -> int:
+    """A block device's size."""
+    fd = os.open(validate_device(device), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
 def grow_filesystem_offline(
     device: str | os.PathLike[str], fstype: str, *, timeout: float = GROW_TIMEOUT
 ) -> None:

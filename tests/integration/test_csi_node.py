@@ -499,3 +499,54 @@ def test_a_refused_publish_leaves_nothing_behind(site: Site) -> None:
                 pb.NodeUnpublishVolumeRequest(volume_id=m.vol.volume_id, target_path=str(pod))
             )
         m.teardown(site)
+
+
+@pytest.mark.parametrize(("fs", "size"), [("ext4", 64 * MIB), ("xfs", 320 * MIB)])
+def test_a_snapshot_restored_larger_mounts_beside_its_source_and_fills_its_size(
+    site: Site, fs: str, size: int
+) -> None:
+    """What Kubernetes' storage suite does: restore a snapshot into a larger PVC
+    and stage it on the node where the source is still mounted.  The copy carries
+    its source's filesystem UUID (xfs refuses a duplicate unless mounted nouuid)
+    and its source's size (grown at staging: df in the pod shows the larger size)."""
+    cap = mount_cap(Mode.SINGLE_NODE_WRITER, fs)
+    source = mounted(site, "nbd", cap, size)
+    restored: Mounted | None = None
+    snapshot_id = ""
+    try:
+        (source.target / "kept").write_text("from before the snapshot\n")
+        os.sync()
+        snapshot_id = site.controller.CreateSnapshot(
+            pb.CreateSnapshotRequest(
+                source_volume_id=source.vol.volume_id, name=f"snap-{uuid.uuid4()}"
+            )
+        ).snapshot.snapshot_id
+        content = pb.VolumeContentSource(
+            snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=snapshot_id)
+        )
+        vol, ctx, node_id = create_publish(site, "nbd", cap, 2 * size, content)
+        restored = Mounted(
+            vol,
+            ctx,
+            node_id,
+            cap,
+            site.kubelet.global_mount(vol.volume_id),
+            site.kubelet.pod_target(str(uuid.uuid4()), "restored"),
+        )
+        restored.stage(site)
+        restored.publish(site)
+        assert (restored.target / "kept").read_text() == "from before the snapshot\n"
+        grown = os.statvfs(restored.target)
+        original = os.statvfs(source.target)
+        assert (
+            grown.f_blocks * grown.f_frsize
+            >= original.f_blocks * original.f_frsize + size * 8 // 10
+        )
+        (restored.target / "new").write_text("in the copy only\n")
+        assert not (source.target / "new").exists()
+    finally:
+        if restored is not None:
+            restored.teardown(site)
+        if snapshot_id:
+            site.controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snapshot_id))
+        source.teardown(site)

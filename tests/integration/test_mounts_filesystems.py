@@ -168,3 +168,19 @@ def test_fsck_reports_an_inconsistent_ext4_and_repairs_nothing(disks: Disks) -> 
     assert not result.clean
     assert "Inode 2 ref count is 7" in result.output
     assert not mounts.fsck(device, "ext4").clean  # still there: nothing was repaired
+
+
+@pytest.mark.parametrize("fstype", ["ext4", "xfs"])
+def test_the_span_of_a_filesystem_against_its_device(disks: Disks, fstype: str) -> None:
+    device = disks.loop(XFS_MIN)
+    mnt = disks.dir("mnt")
+    mounts.format_device(device, fstype)
+    mounts.mount(device, mnt, fstype)
+    assert mounts.device_bytes(device) == XFS_MIN
+    assert mounts.filesystem_bytes(device, fstype, mnt) == XFS_MIN
+    disks.grow(device, 2 * XFS_MIN)
+    assert mounts.device_bytes(device) == 2 * XFS_MIN
+    assert mounts.filesystem_bytes(device, fstype, mnt) == XFS_MIN  # until it is grown
+    if fstype == "xfs":
+        with pytest.raises(mounts.FilesystemError, match="read while it is mounted"):
+            mounts.filesystem_bytes(device, fstype)
