@@ -219,6 +219,12 @@ class BackendServicer(pb_grpc.BackendServicer):
         return volume_pb(self.service.expand_volume(request.volume_id, request.size_bytes))
 
     @_rpc
+    def SetVolumeGroup(
+        self, request: pb.SetVolumeGroupRequest, context: grpc.ServicerContext
+    ) -> pb.Volume:
+        return volume_pb(self.service.set_volume_group(request.volume_id, request.gid))
+
+    @_rpc
     def ModifyVolume(
         self, request: pb.ModifyVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:

@@ -93,6 +93,10 @@ class BackendClient:
         req = pb.ExpandVolumeRequest(volume_id=volume_id, size_bytes=size)
         return self._call("ExpandVolume", req)  # type: ignore[return-value]
 
+    def set_volume_group(self, volume_id: str, gid: int) -> pb.Volume:
+        req = pb.SetVolumeGroupRequest(volume_id=volume_id, gid=gid)
+        return self._call("SetVolumeGroup", req)  # type: ignore[return-value]
+
     def get_volume(self, volume_id: str = "", name: str = "") -> pb.Volume:
         req = (
             pb.GetVolumeRequest(volume_id=volume_id)

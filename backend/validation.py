@@ -74,6 +74,15 @@ def size(value: int) -> int:
     return max(MIN_SIZE, -(-value // MIB) * MIB)
 
 
+MAX_GID = 2**32 - 2  # (gid_t)-1 means "leave the group" to chown
+
+
+def group_id(value: int) -> int:
+    if not 0 <= value <= MAX_GID:
+        raise InvalidArgument(f"group id {value} is out of range (0..{MAX_GID})")
+    return value
+
+
 def node_id(value: str) -> str:
     if not value or not _NODE_ID.fullmatch(value) or ".." in value:
         raise InvalidArgument(

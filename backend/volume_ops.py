@@ -332,6 +332,35 @@ class VolumeOperations(Operations):
             self._close_journal(s, vol_id, OperationKind.EXPAND_VOLUME)
         log.info("volume %s expanded to %d bytes", vol_id, new_size)
 
+    def set_volume_group(self, volume_id: str, gid: int) -> VolumeInfo:
+        """Give a ready nfs volume's files to group ``gid`` (a pod's fsGroup), on
+        this node, which owns the export: the nodes mounting it may squash root."""
+        vol_id = validation.object_id(volume_id, "volume id")
+        gid = validation.group_id(gid)
+        with self._locks.hold(vol_id):  # no delete, expansion or snapshot meanwhile
+            with self.catalog.session() as s:
+                v = s.get(Volume, vol_id)
+                if v is None:
+                    raise NotFound(f"volume {vol_id} not found")
+                if v.type != VolumeType.NFS:
+                    raise InvalidArgument(
+                        f"volume {vol_id} is {v.type.value}: a block volume's filesystem is "
+                        "the node's, which gives it to a group itself"
+                    )
+                if v.state != VolumeState.READY:
+                    raise FailedPrecondition(f"volume {vol_id} is {v.state.value}")
+            if not self.pool.is_mounted(vol_id):
+                raise FailedPrecondition(f"volume {vol_id}'s filesystem is not mounted here")
+            try:
+                changed = self.pool.give_export_to_group(vol_id, gid)
+            except OSError as e:
+                raise FailedPrecondition(
+                    f"cannot give volume {vol_id}'s files to group {gid}: {e}"
+                ) from e
+            if changed:
+                log.info("volume %s given to group %d", vol_id, gid)
+        return self.get_volume(vol_id)
+
     def modify_volume(self, volume_id: str, parameters: dict[str, str]) -> VolumeInfo:
         """Change mutable parameters; the exports follow from the catalog at once.
 

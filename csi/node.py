@@ -18,7 +18,7 @@ import grpc
 from csi import attach, capabilities, ephemeral, mounts, nodereconcile, stage, volumestats
 from csi.config import NODE_TOPOLOGY_KEY, NodeConfig
 from csi.errors import AlreadyExists, CsiError, FailedPrecondition, InvalidArgument, NotFound
-from csi.ids import NodeRef, node_id
+from csi.ids import NodeRef, node_id, parse_object_id
 from csi.kubeletpaths import DEFAULT_ROOT, KubeletPaths, absolute, check_free, leave_alone
 from csi.locks import OperationLocks
 from csi.nodestate import NodeState, Publication, StagedVolume, UnreadableRecord
@@ -311,6 +311,7 @@ class NodeService(pb_grpc.NodeServicer):
             fresh = known is None and not self._bind_of(record, target)
             if fresh:
                 check_free(target, "target_path", file_ok=access == "block")
+            by_storage_node = gid is not None and self._group_on_storage_node(record, gid)
             record.published[str(target)] = Publication(str(target), read_only, pod)
             self.state.put(record)
             try:
@@ -318,7 +319,9 @@ class NodeService(pb_grpc.NodeServicer):
                     stage.bind(staging / stage.DEVICE_FILE, target, read_only, is_file=True)
                 else:
                     stage.bind(staging, target, read_only, is_file=False)
-                    if gid is not None:
+                    if by_storage_node:
+                        stage.revalidate(target)
+                    elif gid is not None:
                         stage.apply_mount_group(target, gid)
             except BaseException:
                 if fresh:  # a refused publish leaves nothing: no bind, no path, no record
@@ -437,6 +440,20 @@ class NodeService(pb_grpc.NodeServicer):
                 self.state.put(record)
         log.info("volume %s unpublished from %s", volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
+
+    def _group_on_storage_node(self, record: StagedVolume, gid: int) -> bool:
+        """An nfs volume's files are given to the pod's group by its storage node,
+        which owns the export (this node's root may be squashed there); False when
+        this node cannot ask it (no storage nodes configured, or not this one)."""
+        ref = parse_object_id(record.volume_id)
+        if record.kind != "nfs" or self.storage_nodes is None or ref is None:
+            return False
+        try:
+            self.storage_nodes.get(ref.storage_node)
+        except CsiError:
+            return False
+        self.storage_nodes.call(ref.storage_node, lambda c: c.set_volume_group(ref.backend_id, gid))
+        return True
 
     def _undo_publish(self, record: StagedVolume, target: Path) -> None:
         try:

@@ -276,6 +276,16 @@ def apply_mount_group(root: Path, gid: int) -> None:
         ) from e
 
 
+def revalidate(path: Path) -> None:
+    """Open and close a directory on a network filesystem: its client then asks the
+    server for its attributes again (close-to-open) instead of trusting its cache,
+    so what the server just changed (the group of a volume's files) is seen at once."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except OSError as e:
+        raise FailedPrecondition(f"cannot open {path}: {e.strerror}") from e
+
+
 def _give(path: Path, gid: int) -> None:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):

@@ -332,6 +332,10 @@ def render_export(export: ExportConfig) -> str:
     block.option("Access_Type", "None")  # default deny: only the CLIENT block grants
     block.option("Squash", export.squash)
     block.option("SecType", "sys")
+    # ganesha caches an object's attributes; the storage node changes some behind
+    # its back (a pod's fsGroup given to an nfs volume's files): ask the
+    # filesystem each time, as a kernel nfsd does
+    block.option("Attr_Expiration_Time", "0")
     fsal = _Block("FSAL")
     fsal.option("Name", "VFS")
     block.block(fsal)

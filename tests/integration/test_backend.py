@@ -873,3 +873,49 @@ def test_the_api_on_a_unix_socket_and_tcp_at_once(tmp_path: Path) -> None:
         assert "Traceback" not in said and "ganesha" not in said, said
     finally:
         node.teardown()
+
+
+def test_an_nfs_volume_is_given_to_a_group_on_the_storage_node(
+    node: BackendNode, tmp_path: Path
+) -> None:
+    """SetVolumeGroup (a pod's fsGroup, asked by the node plugin): every file of the
+    export to the group, group-writable, directories setgid, links never followed."""
+    outside = tmp_path / "outside"
+    outside.write_text("not the volume's\n")
+    before = outside.stat()
+    with node.client() as c:
+        vol = nfs_volume(c, "grouped", 300 * MiB)
+        export = node.pool_dir / "mnt" / vol.id / "export"
+        (export / "dir" / "deeper").mkdir(parents=True)
+        (export / "dir" / "deeper" / "file").write_text("data\n")
+        (export / "file").write_text("data\n")
+        os.chmod(export / "file", 0o4700)  # setuid: never kept by a group change
+        (export / "link").symlink_to(outside)
+        (export / "dir" / "dirlink").symlink_to(tmp_path)
+
+        shown = c.set_volume_group(vol.id, 4321)
+        assert shown.id == vol.id
+        for path in (export, export / "dir", export / "dir" / "deeper"):
+            st = path.stat()
+            assert st.st_gid == 4321 and st.st_mode & 0o2070 == 0o2070, (path, oct(st.st_mode))
+        for path in (export / "file", export / "dir" / "deeper" / "file"):
+            st = path.stat()
+            assert st.st_gid == 4321 and st.st_mode & 0o060 == 0o060, (path, oct(st.st_mode))
+        assert not (export / "file").stat().st_mode & stat.S_ISUID
+        assert (export / "link").lstat().st_gid == 4321  # the link itself
+        after = outside.stat()  # not what it points at
+        assert (after.st_gid, after.st_mode) == (before.st_gid, before.st_mode)
+        assert tmp_path.stat().st_gid != 4321
+
+        # the root already belongs to the group: nothing is walked again
+        (export / "later").write_text("made after\n")
+        os.chmod(export / "later", 0o600)
+        c.set_volume_group(vol.id, 4321)
+        assert stat.S_IMODE((export / "later").stat().st_mode) == 0o600
+
+        nbd = nbd_volume(c, "a-block-volume", MiB)
+        assert "block volume" in expect(Code.INVALID_ARGUMENT, c.set_volume_group, nbd.id, 4321)
+        too_big = 2**32 - 1  # (gid_t)-1: "no change" to chown
+        assert "out of range" in expect(Code.INVALID_ARGUMENT, c.set_volume_group, vol.id, too_big)
+        expect(Code.NOT_FOUND, c.set_volume_group, "0" * 32, 4321)
+        expect(Code.INVALID_ARGUMENT, c.set_volume_group, "not-an-id", 4321)

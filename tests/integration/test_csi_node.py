@@ -25,6 +25,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import subprocess
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,9 @@ import pytest
 
 from csi import attach, mounts
 from csi.proto import csi_pb2 as pb
+from csi.proto import csi_pb2_grpc as pb_grpc
+from tests.backend_node import this_node_address
+from tests.csi_plugin import CsiPlugin, Kubelet
 from tests.csi_site import (
     MIB,
     Mode,
@@ -455,50 +459,138 @@ def test_ephemeral_volume_survives_a_plugin_restart_and_is_deleted_after(site: S
     assert mounted_at(target) == 0
 
 
-def test_a_refused_publish_leaves_nothing_behind(site: Site) -> None:
-    """An NFS volume that squashes root cannot be given to a pod's fsGroup: the
-    publish is refused, and neither a bind nor the target nor a record of it stays
-    (kubelet would otherwise find a mount it never got and a pod stuck Terminating)."""
+def _publish_with_group(nodes: pb_grpc.NodeStub, m: Mounted, target: Path, group: str) -> None:
+    grouped = pb.VolumeCapability()
+    grouped.CopyFrom(m.cap)
+    grouped.mount.volume_mount_group = group
+    nodes.NodePublishVolume(
+        pb.NodePublishVolumeRequest(
+            volume_id=m.vol.volume_id,
+            publish_context=m.ctx,
+            staging_target_path=str(m.staging),
+            target_path=str(target),
+            volume_capability=grouped,
+            volume_context=m.vol.volume_context,
+        )
+    )
+
+
+def _as_user(where: Path, uid: int, gid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` as a pod's user and group, started in ``where`` (entered before the
+    user changes: the test's directories above it are root's alone)."""
+    return subprocess.run(argv, cwd=where, user=uid, group=gid, extra_groups=[gid],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_a_pods_fs_group_on_an_nfs_volume_that_squashes_root(site: Site) -> None:
+    """The pod's fsGroup (VOLUME_MOUNT_GROUP) on an NFS volume whose export
+    squashes root (the default): the storage node gives the files to the group,
+    and a process of the pod's user and group writes there through the node's mount."""
     m = mounted(site, "nfs", mount_cap(Mode.MULTI_NODE_MULTI_WRITER), 64 * MIB)
     pod = m.target.parent.parent / "grouped" / "mount"
-
-    def publish(group: str) -> None:
-        grouped = pb.VolumeCapability()
-        grouped.CopyFrom(m.cap)
-        grouped.mount.volume_mount_group = group
-        site.nodes.NodePublishVolume(
-            pb.NodePublishVolumeRequest(
-                volume_id=m.vol.volume_id,
-                publish_context=m.ctx,
-                staging_target_path=str(m.staging),
-                target_path=str(pod),
-                volume_capability=grouped,
-                volume_context=m.vol.volume_context,
-            )
-        )
-
     try:
-        for _ in range(2):  # and again, as kubelet retries
-            with pytest.raises(grpc.RpcError) as e:
-                publish("1000")
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
-            assert "cannot give" in (e.value.details() or "")
-            assert mounted_at(pod) == 0 and not pod.exists()
-            states = [p.read_text() for p in (site.state_dir / "volumes").glob("*.json")]
-            assert not any(str(pod) in t for t in states), states
-        # the pod's other volume, published before, is untouched
-        (m.target / "still").write_text("here\n")
-        # a group that is no group is refused before anything is done
-        with pytest.raises(grpc.RpcError) as e:
-            publish("no-such-group-anywhere")
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert not pod.exists()
+        assert m.vol.volume_context.get("squash", "root_squash") == "root_squash"
+        # root on this node is nobody there: it cannot give the files to a group itself
+        with pytest.raises(PermissionError):
+            os.chown(m.target, -1, 2000)
+        _publish_with_group(site.nodes, m, pod, "2000")
+        _publish_with_group(site.nodes, m, pod, "2000")  # idempotent
+        st = pod.stat()
+        assert st.st_gid == 2000 and st.st_mode & 0o2070 == 0o2070, oct(st.st_mode)
+        wrote = _as_user(pod, 1999, 2000, "sh", "-c", "echo from-the-pod > by-the-pod")
+        assert wrote.returncode == 0, wrote.stderr
+        assert (m.target / "by-the-pod").stat().st_gid == 2000
     finally:
-        with contextlib.suppress(grpc.RpcError):  # what a failing run may have left
+        with contextlib.suppress(grpc.RpcError):
             site.nodes.NodeUnpublishVolume(
                 pb.NodeUnpublishVolumeRequest(volume_id=m.vol.volume_id, target_path=str(pod))
             )
         m.teardown(site)
+
+
+def test_a_refused_publish_leaves_nothing_behind(
+    site: Site, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A node plugin that cannot reach the storage node (no storage nodes in its
+    configuration) gives a pod's fsGroup itself; on an export that squashes root
+    that is refused, and neither a bind nor the target nor a record of it stays
+    (kubelet would otherwise find a mount it never got, a pod stuck Terminating)."""
+    root = tmp_path_factory.mktemp("no-storage-nodes")
+    alone = CsiPlugin(root, "node", None, node_address=this_node_address()).start()
+    try:
+        with alone.channel() as channel:
+            nodes = pb_grpc.NodeStub(channel)  # type: ignore[no-untyped-call]
+            _refused_publish_leaves_nothing(site, nodes, alone)
+    finally:
+        alone.stop()
+
+
+def _refused_publish_leaves_nothing(site: Site, nodes: pb_grpc.NodeStub, alone: CsiPlugin) -> None:
+    cap = mount_cap(Mode.MULTI_NODE_MULTI_WRITER)
+    info = nodes.NodeGetInfo(pb.NodeGetInfoRequest())
+    vol = site.controller.CreateVolume(
+        pb.CreateVolumeRequest(
+            name=f"pvc-{uuid.uuid4()}",
+            capacity_range=pb.CapacityRange(required_bytes=64 * MIB),
+            volume_capabilities=[cap],
+            parameters={"type": "nfs"},
+        )
+    ).volume
+    kubelet = Kubelet(alone.root / "kubelet")
+    m = Mounted(
+        vol,
+        dict(
+            site.controller.ControllerPublishVolume(
+                pb.ControllerPublishVolumeRequest(
+                    volume_id=vol.volume_id, node_id=info.node_id, volume_capability=cap
+                )
+            ).publish_context
+        ),
+        info.node_id,
+        cap,
+        kubelet.global_mount(vol.volume_id),
+        kubelet.pod_target(str(uuid.uuid4()), "first"),
+    )
+    pod = m.target.parent.parent / "grouped" / "mount"
+    try:
+        m.staging.mkdir(parents=True)
+        nodes.NodeStageVolume(
+            pb.NodeStageVolumeRequest(
+                volume_id=vol.volume_id,
+                publish_context=m.ctx,
+                staging_target_path=str(m.staging),
+                volume_capability=cap,
+                volume_context=vol.volume_context,
+            )
+        )
+        for _ in range(2):  # and again, as kubelet retries
+            with pytest.raises(grpc.RpcError) as e:
+                _publish_with_group(nodes, m, pod, "1000")
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert "cannot give" in (e.value.details() or "")
+            assert mounted_at(pod) == 0 and not pod.exists()
+            states = [p.read_text() for p in (alone.root / "state-node" / "volumes").glob("*.json")]
+            assert states and not any(str(pod) in t for t in states), states
+        # a group that is no group is refused before anything is done
+        with pytest.raises(grpc.RpcError) as e:
+            _publish_with_group(nodes, m, pod, "no-such-group-anywhere")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not pod.exists()
+    finally:
+        with contextlib.suppress(grpc.RpcError):  # what a failing run may have left
+            nodes.NodeUnpublishVolume(
+                pb.NodeUnpublishVolumeRequest(volume_id=vol.volume_id, target_path=str(pod))
+            )
+        with contextlib.suppress(grpc.RpcError):
+            nodes.NodeUnstageVolume(
+                pb.NodeUnstageVolumeRequest(
+                    volume_id=vol.volume_id, staging_target_path=str(m.staging)
+                )
+            )
+        site.controller.ControllerUnpublishVolume(
+            pb.ControllerUnpublishVolumeRequest(volume_id=vol.volume_id, node_id=info.node_id)
+        )
+        site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vol.volume_id))
 
 
 @pytest.mark.parametrize(("fs", "size"), [("ext4", 64 * MIB), ("xfs", 320 * MIB)])
