@@ -68,6 +68,7 @@ def test_an_xfs_snapshot_restored_larger_beside_its_source(ns: Namespace) -> Non
     ns.bound("xfs-restored")
     ns.pod_running("xfs-restored-user")
     assert ns.exec("xfs-restored-user", "cat", "/data/mark").strip() == "snapshotted"
-    size = 1024 * int(ns.exec("xfs-restored-user", "df", "-P", "-k", "/data").split("\n")[1].split()[1])
+    df = ns.exec("xfs-restored-user", "df", "-P", "-k", "/data").split("\n")
+    size = 1024 * int(df[1].split()[1])
     assert size > 3 * GIB // 2, size
     step(f"the restored 2Gi xfs claim mounts beside its source; df shows {size} bytes")
