@@ -17,8 +17,9 @@ def test_csinode_and_storage_capacity(cluster: Cluster) -> None:
         assert labels["topology.csi.moorage.dev/node"] == node.name
     capacities = kube.get("csistoragecapacities", None, "moorage")["items"]
     classes = {c["storageClassName"] for c in capacities}
-    # capacity is tracked for the WaitForFirstConsumer classes
-    assert {"moorage-block", "moorage-block-xfs"} <= classes, classes
+    # capacity is tracked for every class: the WaitForFirstConsumer ones and the
+    # Immediate NFS class (csi-provisioner --capacity-for-immediate-binding)
+    assert {"moorage-nfs", "moorage-block", "moorage-block-xfs"} <= classes, classes
     for node in cluster.layout.nodes:
         segment = [
             c for c in capacities
