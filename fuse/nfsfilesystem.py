@@ -7,7 +7,8 @@ Choices, and why:
   by lookups and dropped at ``forget``.  Inode numbers are the server's
   fileids (the export root's swapped with FUSE's root, 1).  A path found to
   hold another object (renamed by another client) answers ``ESTALE``, which
-  makes the kernel look the name up again.
+  makes the kernel look the name up again; so does an object whose name was
+  removed but which is still reached (a bind mount of a deleted directory).
 - **Calls go through a pool of contexts** (:mod:`fuse.nfscontexts`), each
   in a worker thread, so the FUSE loop never blocks.
 - **Permissions are checked by the kernel** (``default_permissions``): every
@@ -179,7 +180,7 @@ class NFSFilesystem(pyfuse3.Operations):
         if node is None:
             raise pyfuse3.FUSEError(errno.ESTALE)
         if node.path is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise pyfuse3.FUSEError(errno.ESTALE)  # its name is gone: as a kernel NFS client
         return node.path
 
     def _open_file(self, inode: int) -> NFSFile | None:
@@ -253,7 +254,10 @@ class NFSFilesystem(pyfuse3.Operations):
         path = node.path if node is not None else None
         file = self._open_file(inode)
         if path is None and file is None:
-            raise pyfuse3.FUSEError(errno.ESTALE if node is None else errno.ENOENT)
+            # known, but removed (still reached through a bind mount, a process's
+            # working directory): a kernel NFS client says ESTALE, and kubelet's
+            # clean-up of a subPath whose directory was deleted relies on it
+            raise pyfuse3.FUSEError(errno.ESTALE)
         if path is not None:
             try:
                 st = await self._run(lambda c: c.lstat(path))
@@ -276,7 +280,7 @@ class NFSFilesystem(pyfuse3.Operations):
         node = self._nodes.get(inode)
         path = node.path if node is not None else None
         if path is None and file is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise pyfuse3.FUSEError(errno.ESTALE)
         if fields.update_size:
             self._drop_read_ahead(inode)
 

@@ -894,3 +894,28 @@ def test_teardown_after_a_failure_leaves_no_mount_process_or_ganesha() -> None:
         if busy is not None:
             with contextlib.suppress(OSError):
                 busy.close()
+
+
+def test_a_deleted_directory_still_bound_is_stale_and_lets_go(
+    work: Workspace, tmp_path: Path
+) -> None:
+    """kubelet's subPath: a directory of the volume bind-mounted into a container,
+    then deleted through the volume.  As with a kernel NFS client the bind answers
+    ESTALE (ENOENT kept kubelet's clean-up from ever finishing), and it unmounts."""
+    sub = work.mounted / "sub"
+    sub.mkdir()
+    (sub / "file").write_text("x")
+    bound = tmp_path / "container-path"
+    bound.mkdir()
+    subprocess.run(["mount", "--bind", str(sub), str(bound)], check=True, timeout=30)
+    try:
+        assert (bound / "file").read_text() == "x"
+        (sub / "file").unlink()
+        sub.rmdir()
+        with pytest.raises(OSError) as stale:
+            os.stat(bound)
+        assert stale.value.errno == errno.ESTALE
+    finally:
+        subprocess.run(["umount", str(bound)], check=True, timeout=30)
+    bound.rmdir()  # nothing left mounted there
+    assert not sub.exists()
