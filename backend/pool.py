@@ -666,7 +666,6 @@ def _how(reflinked: bool) -> str:
     return "reflink" if reflinked else "sparse copy"
 
 
-
 _NO_FOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
