@@ -63,10 +63,13 @@ def test_an_xfs_snapshot_restored_larger_beside_its_source(ns: Namespace) -> Non
         "apiGroup": "snapshot.storage.k8s.io",
     }))  # fmt: skip
     reader = busybox_pod("xfs-restored-user", "sleep 3600", {"xfs-restored": "/data"})
-    reader["spec"]["nodeName"] = source["spec"]["nodeName"]  # beside the mounted source
+    # beside the mounted source; through the scheduler (a pod's nodeName skips it, and a
+    # WaitForFirstConsumer claim is provisioned only once the scheduler picks a node)
+    node = source["spec"]["nodeName"]
+    reader["spec"]["nodeSelector"] = {"topology.csi.moorage.dev/node": node}
     ns.apply(reader)
     ns.bound("xfs-restored")
-    ns.pod_running("xfs-restored-user")
+    assert ns.pod_running("xfs-restored-user")["spec"]["nodeName"] == node
     assert ns.exec("xfs-restored-user", "cat", "/data/mark").strip() == "snapshotted"
     df = ns.exec("xfs-restored-user", "df", "-P", "-k", "/data").split("\n")
     size = 1024 * int(df[1].split()[1])
