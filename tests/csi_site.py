@@ -46,6 +46,16 @@ class Site:
     state_dir: Path
 
     @property
+    def root(self) -> Path:
+        """The site's directory (kubelet's root is ROOT/kubelet)."""
+        return self.kubelet.root.parent
+
+    def restart(self) -> None:
+        """The plugin stopped and started again on the same state."""
+        self.plugin.stop()
+        self.plugin.start()
+
+    @property
     def local_node(self) -> BackendNode:
         """The storage node, for a test that stops and starts it: one this test runs."""
         assert isinstance(self.node, BackendNode), "this test stops its own storage node"
@@ -164,6 +174,29 @@ class Mounted:
             )
         )
 
+    def controller_expand(self, site: Site, size: int) -> pb.ControllerExpandVolumeResponse:
+        response: pb.ControllerExpandVolumeResponse = site.controller.ControllerExpandVolume(
+            pb.ControllerExpandVolumeRequest(
+                volume_id=self.vol.volume_id,
+                capacity_range=pb.CapacityRange(required_bytes=size),
+                volume_capability=self.cap,
+            )
+        )
+        return response
+
+    def node_expand(self, site: Site, size: int) -> pb.NodeExpandVolumeResponse:
+        """kubelet's NodeExpandVolume while the pod runs: the filesystem stays mounted."""
+        response: pb.NodeExpandVolumeResponse = site.nodes.NodeExpandVolume(
+            pb.NodeExpandVolumeRequest(
+                volume_id=self.vol.volume_id,
+                volume_path=str(self.target),
+                capacity_range=pb.CapacityRange(required_bytes=size),
+                staging_target_path=str(self.staging),
+                volume_capability=self.cap,
+            )
+        )
+        return response
+
     def stats(self, site: Site) -> pb.NodeGetVolumeStatsResponse:
         response: pb.NodeGetVolumeStatsResponse = site.nodes.NodeGetVolumeStats(
             pb.NodeGetVolumeStatsRequest(volume_id=self.vol.volume_id, volume_path=str(self.target))
@@ -186,6 +219,28 @@ class Mounted:
         site.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle))
 
 
+def made(
+    site: Site,
+    kind: str,
+    cap: pb.VolumeCapability,
+    size: int,
+    content: pb.VolumeContentSource | None = None,
+) -> Mounted:
+    """A volume made (from ``content`` when given) and published to this node, with
+    kubelet's staging path and a new pod's target for it; neither staged nor
+    published yet (so a test can tear it down whatever staging does)."""
+    vol, ctx, node_id = create_publish(site, kind, cap, size, content)
+    pod = str(uuid.uuid4())
+    return Mounted(
+        vol,
+        ctx,
+        node_id,
+        cap,
+        site.kubelet.global_mount(vol.volume_id),
+        site.kubelet.pod_target(pod, f"pv-{pod[:8]}"),
+    )
+
+
 def mounted(
     site: Site,
     kind: str,
@@ -194,17 +249,7 @@ def mounted(
     content: pb.VolumeContentSource | None = None,
 ) -> Mounted:
     """A volume made (from ``content`` when given), staged and published into a pod."""
-    vol, ctx, node_id = create_publish(site, kind, cap, size, content)
-    pod = str(uuid.uuid4())
-    pv = f"pv-{pod[:8]}"
-    m = Mounted(
-        vol,
-        ctx,
-        node_id,
-        cap,
-        site.kubelet.global_mount(vol.volume_id),
-        site.kubelet.pod_target(pod, pv),
-    )
+    m = made(site, kind, cap, size, content)
     m.stage(site)
     m.publish(site)
     return m

@@ -45,6 +45,7 @@ from tests.csi_site import (
     Site,
     block_cap,
     create_publish,
+    made,
     mount_cap,
     mounted,
     mounted_at,
@@ -288,26 +289,11 @@ def test_expansion_is_seen_inside_the_pod(site: Site, kind: str) -> None:
     m = mounted(site, kind, cap, 320 * MIB)
     try:
         before = os.statvfs(m.target)
-        grown = site.controller.ControllerExpandVolume(
-            pb.ControllerExpandVolumeRequest(
-                volume_id=m.vol.volume_id,
-                capacity_range=pb.CapacityRange(required_bytes=640 * MIB),
-                volume_capability=cap,
-            )
-        )
+        grown = m.controller_expand(site, 640 * MIB)
         assert grown.capacity_bytes == 640 * MIB
         assert grown.node_expansion_required == (kind == "nbd")
         if grown.node_expansion_required:
-            r = site.nodes.NodeExpandVolume(
-                pb.NodeExpandVolumeRequest(
-                    volume_id=m.vol.volume_id,
-                    volume_path=str(m.target),
-                    capacity_range=pb.CapacityRange(required_bytes=640 * MIB),
-                    staging_target_path=str(m.staging),
-                    volume_capability=cap,
-                )
-            )
-            assert r.capacity_bytes == 640 * MIB
+            assert m.node_expand(site, 640 * MIB).capacity_bytes == 640 * MIB
         after = os.statvfs(m.target)  # what df in the pod shows
         assert after.f_blocks * after.f_frsize >= before.f_blocks * before.f_frsize + 250 * MIB
     finally:
@@ -616,15 +602,7 @@ def test_a_snapshot_restored_larger_mounts_beside_its_source_and_fills_its_size(
         content = pb.VolumeContentSource(
             snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=snapshot_id)
         )
-        vol, ctx, node_id = create_publish(site, "nbd", cap, 2 * size, content)
-        restored = Mounted(
-            vol,
-            ctx,
-            node_id,
-            cap,
-            site.kubelet.global_mount(vol.volume_id),
-            site.kubelet.pod_target(str(uuid.uuid4()), "restored"),
-        )
+        restored = made(site, "nbd", cap, 2 * size, content)
         restored.stage(site)
         restored.publish(site)
         assert (restored.target / "kept").read_text() == "from before the snapshot\n"

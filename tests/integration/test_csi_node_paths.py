@@ -21,14 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import pytest
 
 from csi import mounts, stage
 from csi.nodestate import NodeState, StagedVolume
 from csi.proto import csi_pb2 as pb
-from csi.proto import csi_pb2_grpc as pb_grpc
-from tests.backend_node import BackendNode, make_node
-from tests.csi_plugin import CsiPlugin, Kubelet, write_config
+from tests.csi_site import Site, site_fixture  # noqa: F401  (the module-scoped site)
 
 Mode = pb.VolumeCapability.AccessMode
 MIB = 1 << 20
@@ -38,51 +35,6 @@ CAP = pb.VolumeCapability(
     access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
 )
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
-
-
-@dataclass
-class Site:
-    root: Path
-    node: BackendNode
-    plugin: CsiPlugin
-    controller: pb_grpc.ControllerStub
-    nodes: pb_grpc.NodeStub
-    kubelet: Kubelet
-    state_dir: Path
-
-    def restart(self) -> None:
-        self.plugin.stop()
-        self.plugin.start()
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    root = tmp_path_factory.mktemp("csi-node-paths")
-    node = make_node(root / "sn")
-    plugin = None
-    try:
-        node.start()
-        config = write_config(root / "csi.toml", [{"name": "sn-a", "address": node.address}])
-        state_dir = root / "state"
-        plugin = CsiPlugin(
-            root, "all", config, node_id="worker-1", extra_args=["--state-dir", str(state_dir)]
-        ).start()
-        with plugin.channel() as channel:
-            yield Site(
-                root,
-                node,
-                plugin,
-                pb_grpc.ControllerStub(channel),  # type: ignore[no-untyped-call]
-                pb_grpc.NodeStub(channel),  # type: ignore[no-untyped-call]
-                Kubelet(root / "kubelet"),
-                state_dir,
-            )
-    finally:
-        if plugin is not None:
-            plugin.stop()
-        node.teardown()
-        leftover = [e.mount_point for e in mounts.mount_entries() if str(root) in e.mount_point]
-        assert not leftover, leftover
 
 
 @contextlib.contextmanager

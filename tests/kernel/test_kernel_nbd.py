@@ -39,6 +39,25 @@ def _attach(guest: Lane, target: pb.PublishVolumeResponse, interface: str = "aut
     return device
 
 
+def _reads_back_equal(guest: Lane, device: str, mnt: str, volume: pb.Volume) -> None:
+    """``data`` on ``device``, mounted read-only, has the sum written before."""
+    out = guest.sh(
+        f"mount -o ro {device} {mnt}\n"
+        f"sha256sum {mnt}/data | cut -d' ' -f1\n"
+        f"cat /tmp/{volume.name}.sum\n"
+        f"umount {mnt}\n",
+        timeout=300,
+    ).stdout.split()
+    assert out[0] == out[1], out
+
+
+def _release(guest: Lane, store: Store, volume: pb.Volume, device: str, mnt: str) -> None:
+    guest.run("umount", mnt, check=False)
+    guest.moorage("detach", device, check=False)
+    store.unpublish(volume)
+    store.delete(volume)
+
+
 @pytest.mark.parametrize("fs", ["ext4", "xfs"])
 def test_a_filesystem_on_kernel_nbd_reads_back_equal_and_checks_clean(
     guest: Lane, store: Store, fs: str
@@ -62,19 +81,9 @@ def test_a_filesystem_on_kernel_nbd_reads_back_equal_and_checks_clean(
         # detached and attached again: what is read comes from the server
         guest.moorage("detach", device)
         device = _attach(guest, store.publish(volume))
-        out = guest.sh(
-            f"mount -o ro {device} {mnt}\n"
-            f"sha256sum {mnt}/data | cut -d' ' -f1\n"
-            f"cat /tmp/{volume.name}.sum\n"
-            f"umount {mnt}\n",
-            timeout=300,
-        ).stdout.split()
-        assert out[0] == out[1], out
+        _reads_back_equal(guest, device, mnt, volume)
     finally:
-        guest.run("umount", mnt, check=False)
-        guest.moorage("detach", device, check=False)
-        store.unpublish(volume)
-        store.delete(volume)
+        _release(guest, store, volume, device, mnt)
 
 
 def test_the_ioctl_interface_attaches_when_asked_and_netlink_reads_it_back(
@@ -102,16 +111,6 @@ def test_the_ioctl_interface_attaches_when_asked_and_netlink_reads_it_back(
         assert guest.run("cat", f"{sysfs}/size").stdout.strip() == "0"
         device = _attach(guest, store.publish(volume), interface="netlink")
         assert "nbd://" in guest.run("cat", f"/sys/block/{device[5:]}/backend").stdout
-        out = guest.sh(
-            f"mount -o ro {device} {mnt}\n"
-            f"sha256sum {mnt}/data | cut -d' ' -f1\n"
-            f"cat /tmp/{volume.name}.sum\n"
-            f"umount {mnt}\n",
-            timeout=300,
-        ).stdout.split()
-        assert out[0] == out[1], out
+        _reads_back_equal(guest, device, mnt, volume)
     finally:
-        guest.run("umount", mnt, check=False)
-        guest.moorage("detach", device, check=False)
-        store.unpublish(volume)
-        store.delete(volume)
+        _release(guest, store, volume, device, mnt)

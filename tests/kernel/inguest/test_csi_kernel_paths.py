@@ -45,25 +45,9 @@ def test_ext4_grows_online_on_a_kernel_nbd_device(site: Site) -> None:
         (m.target / "kept").write_bytes(data)
         os.sync()
         before = os.statvfs(m.target)
-        grown = site.controller.ControllerExpandVolume(
-            pb.ControllerExpandVolumeRequest(
-                volume_id=m.vol.volume_id,
-                capacity_range=pb.CapacityRange(required_bytes=512 * MIB),
-                volume_capability=cap,
-            )
-        )
-        assert grown.node_expansion_required
-        # kubelet's NodeExpandVolume while the pod runs: the filesystem stays mounted
-        r = site.nodes.NodeExpandVolume(
-            pb.NodeExpandVolumeRequest(
-                volume_id=m.vol.volume_id,
-                volume_path=str(m.target),
-                capacity_range=pb.CapacityRange(required_bytes=512 * MIB),
-                staging_target_path=str(m.staging),
-                volume_capability=cap,
-            )
-        )
-        assert r.capacity_bytes == 512 * MIB
+        assert m.controller_expand(site, 512 * MIB).node_expansion_required
+        # while the pod runs: the filesystem stays mounted
+        assert m.node_expand(site, 512 * MIB).capacity_bytes == 512 * MIB
         sectors = Path(f"/sys/block/{device[5:]}/size").read_text()
         assert int(sectors) * 512 == 512 * MIB
         after = os.statvfs(m.target)  # what df in the pod shows
