@@ -19,6 +19,8 @@ from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.conftest import REPO, stop_process
 
 DRIVER = "csi.moorage.dev"
+# what `moorage csi serve` logs once every listener it was asked for is up
+STARTED = b"csi plugin in "
 
 
 def write_config(path: Path, storage_nodes: Sequence[Mapping[str, object]], node: str = "") -> Path:
@@ -111,6 +113,8 @@ class CsiPlugin:
     def start(self, timeout: float = 30) -> CsiPlugin:
         self.root.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
+            # the log is kept across restarts: this run's lines start here
+            logged_before = out.tell()
             self.proc = subprocess.Popen(
                 self.argv(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ)
             )
@@ -118,10 +122,21 @@ class CsiPlugin:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"plugin exited {self.proc.returncode}:\n{self.log_text()}")
-            if self.socket.exists() and self.answers():
+            # the gRPC socket answers before the plugin's other listeners (healthz,
+            # registration) are up; the plugin logs STARTED once all of them are
+            if self.started_since(logged_before) and self.socket.exists() and self.answers():
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"plugin not serving after {timeout}s:\n{self.log_text()}")
+
+    def started_since(self, offset: int) -> bool:
+        """True once this run of the plugin has logged that everything it serves is up."""
+        try:
+            with self.log.open("rb") as f:
+                f.seek(offset)
+                return STARTED in f.read()
+        except OSError:
+            return False
 
     def answers(self) -> bool:
         """True once the plugin answers GetPluginInfo on its socket."""
