@@ -60,10 +60,12 @@ def mount_nfs_export(
     SERVER:PATH TARGET`` (``mount_port`` is not used by NFSv4; an
     ``nfsvers``/``vers`` in ``options`` replaces the 4.1; ``hard``, ``soft``,
     ``softerr``, ``timeo`` or ``retrans`` there replace ours; see
-    :func:`kernel_timeout_options`).  The FUSE path takes no options: the
-    caller decides which it can honour.  fuse-nfs: ``fuse.nfsmount`` in a
-    process of its own (NFSv3; ``mount_port`` None asks the portmapper),
-    made read-only per mount when asked; that process inherits this one's
+    :func:`kernel_timeout_options`).  The FUSE path applies only the
+    per-mount flags among ``options`` (nosuid, nodev, noexec, the atime
+    ones): the caller decides which others it can honour.  fuse-nfs:
+    ``fuse.nfsmount`` in a process of its own (NFSv3; ``mount_port`` None
+    asks the portmapper), made read-only per mount when asked, then given
+    those flags by a bind remount; that process inherits this one's
     stderr (its log) and working directory.  The same export already mounted
     there: its read-only-ness is brought to what is asked; another mount
     there is an error.
@@ -110,12 +112,17 @@ def mount_nfs_export(
         )
     except (nfsmount.MountError, OSError, ValueError) as e:
         raise AttachError(str(e)) from e
-    if read_only:
-        try:
+    # the per-mount flags asked for (nosuid, noexec, noatime, ...) on the FUSE
+    # mount itself: the pods' binds copy them, and the mount table shows them
+    flags = [o for o in options if o in mounts.MOUNT_FLAGS]
+    try:
+        if read_only:
             mounts.set_read_only(target_path, True)
-        except BaseException:
-            mounts.unmount(target_path)  # never leave it writable when read-only was asked
-            raise
+        mounts.set_mount_flags(target_path, flags)
+    except BaseException:
+        # never leave it writable when read-only was asked, nor without the flags asked for
+        mounts.unmount(target_path)
+        raise
 
 
 def kernel_timeout_options(io_timeout: float, options: Sequence[str]) -> list[str]:

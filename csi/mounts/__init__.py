@@ -40,7 +40,14 @@ from csi.mounts.filesystems import (
     grow_filesystem,
     grow_filesystem_offline,
 )
-from csi.mounts.mounting import bind_mount, mount, set_read_only, unmount
+from csi.mounts.mounting import (
+    MOUNT_FLAGS,
+    bind_mount,
+    mount,
+    set_mount_flags,
+    set_read_only,
+    unmount,
+)
 from csi.mounts.propagation import PropagationError, check_propagation
 from csi.mounts.table import (
     MountEntry,
@@ -58,6 +65,7 @@ from csi.mounts.validation import validate_options
 
 __all__ = [
     "FSTYPES",
+    "MOUNT_FLAGS",
     "FilesystemError",
     "FsckResult",
     "Fstype",
@@ -85,6 +93,7 @@ __all__ = [
     "mounts_of_device",
     "parse_mountinfo",
     "resolve_to_mount_point",
+    "set_mount_flags",
     "set_read_only",
     "unmount",
     "validate_options",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from csi.mounts import tools
 from csi.mounts.errors import FilesystemError, MountError
@@ -82,6 +82,40 @@ def set_read_only(target: str | os.PathLike[str], read_only: bool = True) -> Non
         raise FilesystemError(f"nothing is mounted on {target_path}")
     mode = "ro" if read_only else "rw"
     tools.run(["mount", "-o", f"remount,bind,{mode}", "--", target_path], TIMEOUT)
+
+
+# Per-mount flags (mount(2)'s MS_NOSUID, MS_NODEV, MS_NOEXEC and the atime
+# ones): a bind remount sets them on one mount, whatever its filesystem.
+MOUNT_FLAGS = frozenset(
+    {"nosuid", "nodev", "noexec", "noatime", "nodiratime", "relatime", "strictatime"}
+)
+ATIME_FLAGS = frozenset({"noatime", "relatime", "strictatime"})
+
+
+def set_mount_flags(target: str | os.PathLike[str], flags: Iterable[str]) -> None:
+    """Add per-mount ``flags`` (of :data:`MOUNT_FLAGS`) to the mount on ``target``.
+
+    ``mount -o remount,bind,FLAGS`` sets the mount's flags to exactly what it
+    is given, so the ones it has (read-only, nosuid, nodev, noexec, the atime
+    mode) are given again; an atime mode asked for replaces the one it has.
+    Bind mounts made of it afterwards copy them.
+    """
+    wanted = list(dict.fromkeys(flags))
+    unknown = sorted(set(wanted) - MOUNT_FLAGS)
+    if unknown:
+        raise FilesystemError(f"not per-mount flags: {unknown}")
+    target_path = validate_path(target, "mount target")
+    entry = mount_entry(target_path)
+    if entry is None:
+        raise FilesystemError(f"nothing is mounted on {target_path}")
+    if not wanted:
+        return
+    keep = [o for o in entry.mount_options if o in MOUNT_FLAGS]
+    if ATIME_FLAGS & set(wanted):
+        keep = [o for o in keep if o not in ATIME_FLAGS]
+    mode = "ro" if "ro" in entry.mount_options else "rw"
+    options = ",".join(dict.fromkeys([mode, *keep, *wanted]))
+    tools.run(["mount", "-o", f"remount,bind,{options}", "--", target_path], TIMEOUT)
 
 
 def bind_mount(

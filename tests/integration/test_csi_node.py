@@ -382,6 +382,32 @@ def test_fuse_nfs_mount_refuses_flags_it_cannot_honour(site: Site) -> None:
         Mounted(vol, ctx, node_id, soft, staging, staging / "unused").teardown(site)
 
 
+def test_fuse_nfs_mount_carries_the_per_mount_flags_asked_for(site: Site) -> None:
+    """A StorageClass's mountOptions noatime/nosuid/nodev/noexec on the FUSE NFS
+    mount: in the mount table (where Kubernetes' suite looks) and in effect."""
+    if site.plugin_plan_nfs() != "fuse-nfs":
+        pytest.fail("this test is about the FUSE NFS path, which this host must use")
+    flags = ["noatime", "nosuid", "nodev", "noexec"]
+    cap = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(mount_flags=["nfsvers=4.1", *flags]),
+        access_mode=Mode(mode=Mode.MULTI_NODE_MULTI_WRITER),
+    )
+    m = mounted(site, "nfs", cap, 64 * MIB)
+    try:
+        for path in (m.staging, m.target):
+            entry = mounts.mount_entry(str(path))
+            assert entry is not None, path
+            assert set(flags) <= set(entry.mount_options), (path, entry.mount_options)
+            assert "rw" in entry.mount_options and "relatime" not in entry.mount_options
+        script = m.target / "run.sh"
+        script.write_text("#!/bin/sh\necho ran\n")
+        script.chmod(0o755)
+        with pytest.raises(PermissionError):
+            subprocess.run([str(script)], check=False)
+    finally:
+        m.teardown(site)
+
+
 def test_read_only_publish_refuses_writes_and_records_the_pod(site: Site) -> None:
     m = mounted(site, "nbd", mount_cap(Mode.SINGLE_NODE_WRITER, "ext4"), 64 * MIB)
     reader = m.target.parent.parent / "reader" / "mount"
