@@ -35,10 +35,23 @@ export MOORAGE_ETCDCTL := $(ETCD_DIR)/etcdctl
 # snapshot CRDs and controller, named by the image versions the chart pins,
 # the Kubernetes release and the scripts that build them (deploy/e2e/build-images.sh).
 E2E_IMAGES_KEY := $(shell { sed -n '/^images:/,/^[^ ]/{/^ /p}' deploy/helm/moorage/values.yaml; \
-	echo $(KUBERNETES_VERSION); cat deploy/e2e/build-images.sh deploy/image/oci.py; } 2>/dev/null \
+	echo $(KUBERNETES_VERSION); cat deploy/e2e/build-images.sh deploy/e2e/image-lib.sh \
+	deploy/image/oci.py; } 2>/dev/null \
 	| sha256sum | cut -c1-16)
 E2E_IMAGES := $(TOOLS_DIR)/e2e-images-$(E2E_IMAGES_KEY)
+# Release sources of the sidecars the Go module proxy refuses (vendored tarballs,
+# built offline): the node-driver-registrar and the livenessprobe.
+THIRD_PARTY ?= $(abspath $(CURDIR)/../shared/third-party)
 export MOORAGE_E2E_IMAGES := $(E2E_IMAGES)
+# Kubernetes' External Storage suite (docs/e2e.md, "Conformance"): e2e.test,
+# ginkgo and agnhost from the same release, and the images its pods run.
+CONFORMANCE_BIN := $(TOOLS_DIR)/conformance-$(KUBERNETES_VERSION)
+CONFORMANCE_COMMANDS := e2e.test ginkgo agnhost
+export MOORAGE_CONFORMANCE_BIN := $(CONFORMANCE_BIN)
+SUITE_IMAGES_KEY := $(shell { echo $(KUBERNETES_VERSION); cat deploy/e2e/build-suite-images.sh \
+	deploy/e2e/image-lib.sh deploy/image/oci.py; } 2>/dev/null | sha256sum | cut -c1-16)
+SUITE_IMAGES := $(TOOLS_DIR)/suite-images-$(SUITE_IMAGES_KEY)
+export MOORAGE_SUITE_IMAGES := $(SUITE_IMAGES)
 # CNI plugins: Debian's containernetworking-plugins (deploy/host/install-deps.sh)
 export MOORAGE_CNI_BIN := /usr/lib/cni
 # The container image, kept outside the tree and named by a digest of what
@@ -58,7 +71,7 @@ export MOORAGE_GUEST := $(GUEST)
 MANIFESTS_NAMESPACE := moorage-system
 
 .PHONY: all demo test lint typecheck unit bench host proto tools manifests image e2e-images e2e-tools \
-	guest test-kernel kernel-shell e2e cluster-up cluster-status cluster-down clean
+	guest test-kernel kernel-shell e2e conformance conformance-tools cluster-up cluster-status cluster-down clean
 
 all: test
 
@@ -128,9 +141,22 @@ $(MOORAGE_ETCD) $(MOORAGE_ETCDCTL) &:
 e2e-images: host
 	@test -x "$(GO)" || { echo "make: Go is needed to build the e2e images (not found)"; exit 1; }
 	bash deploy/e2e/build-images.sh deploy/helm/moorage/values.yaml $(KUBERNETES_VERSION) \
-		$(E2E_IMAGES) $(GO) $(PYTHON)
+		$(E2E_IMAGES) $(THIRD_PARTY) $(GO) $(PYTHON)
 	find $(TOOLS_DIR) -maxdepth 1 -name 'e2e-images-*' ! -name $(notdir $(E2E_IMAGES)) \
 		-exec rm -rf {} +
+
+$(addprefix $(CONFORMANCE_BIN)/,$(CONFORMANCE_COMMANDS)) &:
+	@test -x "$(GO)" || { echo "make: Go is needed to build e2e.test (not found)"; exit 1; }
+	bash deploy/e2e/build-conformance.sh $(KUBERNETES_VERSION) $(CONFORMANCE_BIN).partial $(GO)
+	rm -rf $(CONFORMANCE_BIN) && mv $(CONFORMANCE_BIN).partial $(CONFORMANCE_BIN)
+
+$(SUITE_IMAGES)/images.txt: $(CONFORMANCE_BIN)/agnhost | host
+	bash deploy/e2e/build-suite-images.sh $(KUBERNETES_VERSION) $(CONFORMANCE_BIN)/agnhost \
+		$(SUITE_IMAGES) $(GO) $(PYTHON)
+	find $(TOOLS_DIR) -maxdepth 1 -name 'suite-images-*' ! -name $(notdir $(SUITE_IMAGES)) \
+		-exec rm -rf {} +
+
+conformance-tools: $(addprefix $(CONFORMANCE_BIN)/,$(CONFORMANCE_COMMANDS)) $(SUITE_IMAGES)/images.txt
 
 # The e2e cluster's tools.
 e2e-tools: $(addprefix $(KUBE_BIN)/,$(KUBE_COMMANDS)) $(MOORAGE_ETCD) $(MOORAGE_ETCDCTL) e2e-images $(HELM)
@@ -142,6 +168,12 @@ E2E_ARGS ?= tests/e2e
 e2e: host proto e2e-tools $(IMAGE)
 	$(PY) -m pytest -o addopts="" -p no:randomly -p no:cacheprovider -rA -s \
 		--timeout=1200 $(E2E_ARGS)
+
+# Kubernetes' External Storage suite against the chart's block and NFS classes
+# (docs/e2e.md, "Conformance"); the cluster comes and goes as for `make e2e`.
+CONFORMANCE_ARGS ?=
+conformance: host proto e2e-tools conformance-tools $(IMAGE)
+	$(VENV)/bin/moorage dev conformance $(CONFORMANCE_ARGS)
 
 cluster-up: host proto e2e-tools $(IMAGE)
 	$(VENV)/bin/moorage dev cluster up

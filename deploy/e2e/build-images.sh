@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the container images a local Kubernetes cluster runs besides
 # moorage's own, each an OCI image archive that `ctr images import` takes:
-#   deploy/e2e/build-images.sh VALUES.yaml KUBERNETES_VERSION OUTDIR [GO] [PYTHON]
+#   deploy/e2e/build-images.sh VALUES.yaml KUBERNETES_VERSION OUTDIR THIRD_PARTY [GO] [PYTHON]
 #
 #   OUTDIR/registry.k8s.io/pause:TAG.tar   Kubernetes' pause, compiled from the C
 #                                          source in the k8s.io/kubernetes module
@@ -12,7 +12,10 @@
 #                                          VALUES.yaml (images.*), built from its
 #                                          Go module at that tag, and the
 #                                          snapshot-controller of the snapshotter's
-#                                          release
+#                                          release; the node-driver-registrar and
+#                                          the livenessprobe from their release
+#                                          sources in THIRD_PARTY (vendored: the Go
+#                                          module proxy refuses their modules)
 #   OUTDIR/manifests/crd/                  the VolumeSnapshot CRDs and the
 #   OUTDIR/manifests/snapshot-controller/  snapshot-controller's RBAC and
 #                                          Deployment, as that release ships them
@@ -21,24 +24,23 @@
 #
 # An archive is named by the reference the chart (or Kubernetes) uses, so the
 # versions live in VALUES.yaml and in the Kubernetes release only.  Each piece
-# is built only when its file is missing.  The node-driver-registrar and the
-# livenessprobe are not built: the Go module proxy refuses their modules
-# (docs/e2e.md).
+# is built only when its file is missing.
 set -euo pipefail
-usage="usage: build-images.sh VALUES.yaml KUBERNETES_VERSION OUTDIR [GO] [PYTHON]"
+usage="usage: build-images.sh VALUES.yaml KUBERNETES_VERSION OUTDIR THIRD_PARTY [GO] [PYTHON]"
 values=${1:?$usage}
 kube_version=${2:?$usage}
 out=${3:?$usage}
-go=${4:-go}
-python=${5:-python3}
+third_party=${4:?$usage}
+go=${5:-go}
+python=${6:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
 oci=$here/../image/oci.py
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export GOFLAGS=-mod=mod
-PATH_ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-
-die() { echo "build-images: $*" >&2; exit 1; }
+PROG=build-images
+# shellcheck source=deploy/e2e/image-lib.sh
+. "$here/image-lib.sh"
 
 # value IMAGE FIELD: images.IMAGE.FIELD in VALUES.yaml (a plain scalar)
 value() {
@@ -60,19 +62,6 @@ module_field() {
     field=$(sed -n "s/^\s*\"$2\": \"\(.*\)\",\?$/\1/p" <<<"$json")
     [ -e "$field" ] || die "go mod download $1 gave no $2"
     echo "$field"
-}
-
-# pack DIR REFERENCE OCI_OPTIONS...: DIR as the one layer of REFERENCE's archive
-pack() {
-    local dir=$1 ref=$2 archive=$out/$2.tar
-    shift 2
-    chmod 0755 "$dir"
-    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 --format=gnu \
-        -C "$dir" -cf "$work/layer.tar" .
-    mkdir -p "$(dirname "$archive")"
-    "$python" "$oci" "$work/layer.tar" "$archive" "$ref" "$@" >/dev/null
-    rm -rf "$work/layer.tar" "$dir"
-    echo "build-images: $ref ($(du -h "$archive" | cut -f1))"
 }
 
 # go_command MODULE VERSION COMMAND OUT: MODULE/cmd/COMMAND at VERSION, static,
@@ -134,26 +123,12 @@ if [ ! -f "$out/$ref.tar" ]; then
 fi
 
 # --- busybox: Debian's busybox-static, the applets linked where busybox installs them
-busybox=/bin/busybox
-[ -x "$busybox" ] && ! grep -q INTERP <<<"$(readelf -l "$busybox")" ||
-    die "$busybox is missing or not static (install busybox-static: make host)"
-busybox_tag=$("$busybox" | sed -n '1s/^BusyBox v\([0-9]*\.[0-9]*\)\..*/\1/p')
-[ -n "$busybox_tag" ] || die "no version from $busybox"
-ref=busybox:$busybox_tag
+ref=busybox:$(busybox_version)
 index+=("busybox $ref")
 if [ ! -f "$out/$ref.tar" ]; then
-    root=$work/busybox
-    mkdir -p "$root/bin" "$root/tmp" "$root/root"
-    chmod 1777 "$root/tmp"
-    chmod 0700 "$root/root"
-    cp "$busybox" "$root/bin/busybox"
-    "$busybox" --list-full | while read -r applet; do
-        [ "$applet" = bin/busybox ] && continue
-        mkdir -p "$root/$(dirname "$applet")"
-        ln -s /bin/busybox "$root/$applet"
-    done
-    pack "$root" "$ref" --entrypoint '[]' --cmd '["sh"]' --env "$PATH_ENV" \
-        --created-by "$("$busybox" | sed -n 1p)"
+    busybox_root "$work/busybox"
+    pack "$work/busybox" "$ref" --entrypoint '[]' --cmd '["sh"]' --env "$PATH_ENV" \
+        --created-by "$(/bin/busybox | sed -n 1p)"
 fi
 
 # --- fio: Debian's, for the e2e's I/O-limit measurement in a pod
@@ -161,16 +136,7 @@ fio_tag=$(apt-cache policy fio | sed -n 's/^ *Candidate: *\([0-9]*\.[0-9]*\).*/\
 [ -n "$fio_tag" ] || die "no fio candidate from apt-cache policy fio"
 ref=moorage-e2e-fio:$fio_tag
 index+=("fio $ref")
-if [ ! -f "$out/$ref.tar" ]; then
-    mmdebstrap --variant=minbase --mode=root --format=tar --quiet --include=fio,libaio1 \
-        bookworm "$work/fio-rootfs.tar"
-    mkdir -p "$(dirname "$out/$ref.tar")"
-    "$python" "$oci" "$work/fio-rootfs.tar" "$out/$ref.tar" "$ref" --entrypoint '[]' \
-        --cmd '["fio", "--version"]' --env "$PATH_ENV" \
-        --created-by "mmdebstrap bookworm --include=fio,libaio1" >/dev/null
-    rm -f "$work/fio-rootfs.tar"
-    echo "build-images: $ref ($(du -h "$out/$ref.tar" | cut -f1))"
-fi
+[ -f "$out/$ref.tar" ] || debian_image "$ref" fio,libaio1 '[]' '["fio", "--version"]'
 
 # --- the CSI sidecars the chart runs, and the cluster's snapshot-controller
 sidecar() {  # ROLE PROJECT REPOSITORY TAG: github.com/kubernetes-csi/PROJECT's command
@@ -191,6 +157,29 @@ for role in provisioner attacher resizer snapshotter; do
     tag=$(value "$role" tag)
     sidecar "$role" "external-$role" "$repository" "$tag"
 done
+# The node's sidecars: their modules are refused by the proxy, so they are
+# built offline from the release source tarballs (git archive of the tag, with
+# vendor/) in THIRD_PARTY, named PROJECT-TAG.tar.gz.
+vendored_sidecar() {  # ROLE PROJECT COMMAND REPOSITORY TAG
+    local role=$1 project=$2 command=$3 repository=$4 tag=$5
+    local ref=$repository:$tag tarball=$third_party/$project-$tag.tar.gz
+    index+=("$role $ref")
+    [ -f "$out/$ref.tar" ] && return
+    [ -f "$tarball" ] || die "no $tarball (the release source of $project $tag)"
+    tar -xzf "$tarball" -C "$work"
+    mkdir -p "$work/$command/tmp"
+    chmod 1777 "$work/$command/tmp"
+    (cd "$work/$project-$tag" && CGO_ENABLED=0 GOFLAGS=-mod=vendor "$go" build -trimpath \
+        -ldflags "-X main.version=$tag" -o "$work/$command/$command" "./cmd/$command")
+    rm -rf "${work:?}/$project-$tag"
+    pack "$work/$command" "$ref" --entrypoint "[\"/$command\"]" --env "$PATH_ENV" \
+        --created-by "go build -mod=vendor ./cmd/$command of $(basename "$tarball")"
+}
+vendored_sidecar registrar node-driver-registrar csi-node-driver-registrar \
+    "$(value registrar repository)" "$(value registrar tag)"
+vendored_sidecar livenessprobe livenessprobe livenessprobe \
+    "$(value livenessprobe repository)" "$(value livenessprobe tag)"
+
 snapshotter_repository=$(value snapshotter repository)
 snapshotter_tag=$(value snapshotter tag)
 controller_ref=${snapshotter_repository%/*}/snapshot-controller:$snapshotter_tag

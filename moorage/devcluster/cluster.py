@@ -84,8 +84,12 @@ def _manifests(tools: Tools) -> Path:
     return tools.images / "manifests"
 
 
-def install_moorage(layout: Layout, kube: Kube) -> None:
-    """Snapshot CRDs and controller, then moorage's chart, as an operator installs them."""
+def install_moorage(layout: Layout, kube: Kube, sidecars: bool = True) -> None:
+    """Snapshot CRDs and controller, then moorage's chart, as an operator installs them.
+
+    ``sidecars``: the chart's default, kubernetes-csi's node-driver-registrar and
+    livenessprobe; False: the plugin registers with kubelet and serves /healthz itself.
+    """
     sn = layout.storage_node
     kube("label", "node", sn.name, "moorage.dev/storage-node=true", "--overwrite")
     manifests = _manifests(kube.tools)
@@ -108,7 +112,7 @@ def install_moorage(layout: Layout, kube: Kube) -> None:
             "loopPoolSize": "8Gi",
         },
         "node": {"stateHostPath": str(layout.csi_state_dir)},
-        "sidecars": {"registrar": False, "livenessprobe": False},
+        "sidecars": {"registrar": sidecars, "livenessprobe": sidecars},
     }
     values_file = layout.root / "values.json"
     values_file.write_text(json.dumps(values, indent=2))

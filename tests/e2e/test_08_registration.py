@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import json
+
+from moorage.devcluster import cluster as devcluster
+from moorage.devcluster.kube import Kube
+from moorage.devcluster.layout import NAMESPACE
 from moorage.units import parse_size
 from tests.e2e.conftest import Cluster
 
@@ -28,3 +34,72 @@ def test_csinode_and_storage_capacity(cluster: Cluster) -> None:
         assert segment, f"no CSIStorageCapacity for {node.name}'s segment"
         for c in segment:
             assert parse_size(c["capacity"]) > 1 << 30, c  # the 8 GiB loop pool, less in use
+
+
+NODE_PODS = "app.kubernetes.io/component=node"
+CONTROLLER_PODS = "app.kubernetes.io/component=controller"
+
+
+def _containers(kube: Kube, selector: str) -> list[set[str]]:
+    pods = json.loads(kube("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json"))["items"]
+    return [{c["name"] for c in p["spec"]["containers"]} for p in pods]
+
+
+def _plugin_logs(kube: Kube, node: str) -> str:
+    pods = json.loads(
+        kube("get", "pods", "-n", NAMESPACE, "-l", NODE_PODS,
+             "--field-selector", f"spec.nodeName={node}", "-o", "json")
+    )["items"]  # fmt: skip
+    (pod,) = pods
+    return kube("logs", "-n", NAMESPACE, pod["metadata"]["name"], "-c", "moorage")
+
+
+def _registered_by_plugin(kube: Kube, node: str) -> bool:
+    return "kubelet registered csi.moorage.dev" in _plugin_logs(kube, node)
+
+
+def test_the_chart_defaults_run_the_upstream_registrar_and_livenessprobe(
+    cluster: Cluster,
+) -> None:
+    kube = cluster.kube
+    node_pods = _containers(kube, NODE_PODS)
+    assert len(node_pods) == len(cluster.layout.nodes)
+    for containers in node_pods:
+        assert containers == {"node-driver-registrar", "liveness-probe", "moorage"}, containers
+    for containers in _containers(kube, CONTROLLER_PODS):
+        assert "liveness-probe" in containers, containers
+    # the upstream registrar registered the driver: the plugin served no registration itself
+    for node in cluster.layout.nodes:
+        assert "kubelet registered csi.moorage.dev" not in _plugin_logs(kube, node.name)
+
+
+def test_the_plugin_registers_itself_without_the_registrar(cluster: Cluster) -> None:
+    """sidecars.registrar/livenessprobe false: the plugin's own registration and /healthz."""
+    kube, layout = cluster.kube, cluster.layout
+    try:
+        devcluster.install_moorage(layout, kube, sidecars=False)
+        kube.wait_until(
+            "node pods with the plugin alone",
+            lambda: _containers(kube, NODE_PODS) == [{"moorage"}] * len(layout.nodes),
+            timeout=300,
+        )
+        for node in layout.nodes:
+            # the registrar's socket went with its container, and kubelet took the
+            # driver off the node; the plugin's own registration brought it back
+            kube.wait_until(
+                f"{node.name}: kubelet registered the plugin itself",
+                functools.partial(_registered_by_plugin, kube, node.name),
+                timeout=120,
+            )
+            csinode = kube.get("csinode", node.name)
+            assert [d["name"] for d in csinode["spec"]["drivers"]] == ["csi.moorage.dev"]
+    finally:
+        devcluster.install_moorage(layout, kube)
+    kube.wait_until(
+        "node pods with the sidecars again",
+        lambda: (
+            all(len(c) == 3 for c in _containers(kube, NODE_PODS))
+            and len(_containers(kube, NODE_PODS)) == len(layout.nodes)
+        ),
+        timeout=300,
+    )
