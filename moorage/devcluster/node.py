@@ -128,6 +128,9 @@ def _kubelet_config(layout: Layout, node: Node) -> Path:
         "healthzBindAddress": "127.0.0.1",
         "healthzPort": 10248,
         "volumePluginDir": str(node.dir / "volume-plugins"),
+        # each node's container logs apart: a kubelet removes the pod log
+        # directories of pods it does not run, another node's included
+        "podLogsDir": str(node.dir / "pod-logs"),
         "resolvConf": str(node.dir / "resolv.conf"),
         # the host's disk is shared with everything else on it: never evict or
         # collect the locally imported images for it
