@@ -75,3 +75,47 @@ def down() -> None:
     except LookupError:
         tools = None
     cluster.down(Layout(), tools)
+
+
+@app.command("conformance")
+def conformance(
+    classes: list[str] = typer.Option(
+        ["block", "nfs"], "--class", help="Which of the chart's classes (block, nfs); repeatable."
+    ),
+    procs: int = typer.Option(4, min=1, max=16, help="ginkgo's parallel processes."),
+    focus: str = typer.Option("External.Storage", help="ginkgo --focus (a regular expression)."),
+    skip: str = typer.Option(
+        r"\[Disruptive\]|\[Serial\]|\[Slow\]|\[Flaky\]",
+        help="ginkgo --skip (a regular expression).",
+    ),
+) -> None:
+    """Kubernetes' External Storage suite against the chart's classes (docs/e2e.md).
+
+    Uses the cluster `moorage dev cluster up` left running (and leaves it up),
+    or brings one up for the run and takes it down after it.  Exits 1 when a
+    spec failed."""
+    from moorage.devcluster import cluster
+    from moorage.devcluster import conformance as suite_run
+    from moorage.devcluster import procs as daemons
+    from moorage.devcluster.layout import Layout
+
+    for which in classes:
+        if which not in suite_run.CLASSES:
+            raise fail("dev conformance", f"no class {which!r}; the chart's: block, nfs")
+    try:
+        suite = suite_run.Suite.from_env()
+    except LookupError as e:
+        raise fail("dev conformance", str(e), CANNOT_START) from None
+    tools = _tools()
+    layout = Layout()
+    already_up = daemons.running(layout, "kube-apiserver")
+    try:
+        kube = cluster.up(layout, tools)  # type: ignore[arg-type]
+        results = suite_run.run(layout, kube, suite, classes, procs, focus, skip, typer.echo)
+    except (daemons.ClusterError, TimeoutError, RuntimeError) as e:
+        raise fail("dev conformance", str(e)) from None
+    finally:
+        if not already_up:
+            cluster.down(layout, tools)  # type: ignore[arg-type]
+    if any(c.failed for c in results.values()):
+        raise typer.Exit(1)

@@ -1,0 +1,64 @@
+"""The External Storage suite's inputs (tests/conformance) and how its report is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moorage.devcluster import conformance
+
+REPO = Path(__file__).resolve().parents[2]
+VALUES = yaml.safe_load((REPO / "deploy/helm/moorage/values.yaml").read_text())
+# every capability the suite knows (test/e2e/storage/framework/testdriver.go, v1.34)
+SUITE_CAPABILITIES = {
+    "persistence", "block", "fsGroup", "volumeMountGroup", "exec", "snapshotDataSource",
+    "groupSnapshot", "pvcDataSource", "multipods", "RWX", "controllerExpansion",
+    "nodeExpansion", "offlineExpansion", "onlineExpansion", "volumeLimits",
+    "singleNodeVolume", "topology", "capacity", "FSResizeFromSourceNotSupported",
+    "readWriteOncePod", "multiplePVsSameID", "capReadOnlyMany",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("which", sorted(conformance.CLASSES))
+def test_each_definition_tests_a_class_the_chart_installs(which: str) -> None:
+    text = conformance.driver_definition(which).read_text()
+    definition = yaml.safe_load(text)
+    chart_classes = {c["name"] for c in VALUES["storageClasses"].values() if isinstance(c, dict)}
+    assert definition["StorageClass"]["FromExistingClassName"] in chart_classes
+    assert definition["StorageClass"]["FromExistingClassName"] == conformance.CLASSES[which]
+    assert (
+        definition["SnapshotClass"]["FromExistingClassName"]
+        == VALUES["volumeSnapshotClass"]["name"]
+    )
+    assert definition["DriverInfo"]["Name"] == "csi.moorage.dev"
+    vac = yaml.safe_load((REPO / definition["VolumeAttributesClass"]["FromFile"]).read_text())
+    assert vac["driverName"] == "csi.moorage.dev"
+    capabilities = definition["DriverInfo"]["Capabilities"]
+    assert set(capabilities) <= SUITE_CAPABILITIES, set(capabilities) - SUITE_CAPABILITIES
+    # a capability left out or false says why, on the line before it
+    lines = text.splitlines()
+    for name, claimed in capabilities.items():
+        if claimed:
+            continue
+        (at,) = [i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:")]
+        assert lines[at - 1].strip().startswith("#"), f"{which}: {name} false without a reason"
+
+
+def test_the_report_counts_specs_not_suite_nodes(tmp_path: Path) -> None:
+    report = tmp_path / "junit_01.xml"
+    report.write_text(
+        """<?xml version="1.0" encoding="UTF-8"?>
+<testsuites tests="5"><testsuite name="Kubernetes e2e suite" tests="5">
+  <testcase name="[SynchronizedBeforeSuite]" status="passed"></testcase>
+  <testcase name="External Storage a" status="passed"></testcase>
+  <testcase name="External Storage b" status="failed"><failure message="x">x</failure></testcase>
+  <testcase name="External Storage c" status="skipped"><skipped message="s"></skipped></testcase>
+  <testcase name="[ReportAfterSuite] Kubernetes e2e suite report" status="passed"></testcase>
+</testsuite></testsuites>
+"""
+    )
+    counts = conformance.read_junit(report)
+    assert (counts.passed, counts.failed, counts.skipped) == (1, 1, 1)
+    assert counts.failures == ["External Storage b"]
