@@ -73,6 +73,13 @@ while read -r role ref archive <&3; do
             expect busybox "^hi$" "$name" check-busybox echo hi
             expect busybox-sh "^/bin/busybox$" "$name" check-busybox-sh sh -c 'readlink /bin/sh'
             ;;
+        livenessprobe)
+            # it has no --version flag (nor a version to stamp): its usage
+            expect "$role-help" "Usage of /livenessprobe" "$name" "check-$role-help" /livenessprobe --help
+            ;;
+        fio)
+            expect fio "^fio-$tag" "$name" check-fio fio --version
+            ;;
         *)
             command=${ref%:*}; command=/${command##*/}
             expect "$role" "$tag" "$name" "check-$role" "$command" --version
