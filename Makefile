@@ -45,11 +45,13 @@ THIRD_PARTY ?= $(abspath $(CURDIR)/../shared/third-party)
 export MOORAGE_E2E_IMAGES := $(E2E_IMAGES)
 # Kubernetes' External Storage suite (docs/e2e.md, "Conformance"): e2e.test,
 # ginkgo and agnhost from the same release, and the images its pods run.
-CONFORMANCE_BIN := $(TOOLS_DIR)/conformance-$(KUBERNETES_VERSION)
+CONFORMANCE_KEY := $(shell cat deploy/e2e/build-conformance.sh 2>/dev/null | sha256sum | cut -c1-16)
+CONFORMANCE_BIN := $(TOOLS_DIR)/conformance-$(KUBERNETES_VERSION)-$(CONFORMANCE_KEY)
 CONFORMANCE_COMMANDS := e2e.test ginkgo agnhost
 export MOORAGE_CONFORMANCE_BIN := $(CONFORMANCE_BIN)
 SUITE_IMAGES_KEY := $(shell { echo $(KUBERNETES_VERSION); cat deploy/e2e/build-suite-images.sh \
-	deploy/e2e/image-lib.sh deploy/image/oci.py; } 2>/dev/null | sha256sum | cut -c1-16)
+	deploy/e2e/build-conformance.sh deploy/e2e/image-lib.sh deploy/image/oci.py; } 2>/dev/null \
+	| sha256sum | cut -c1-16)
 SUITE_IMAGES := $(TOOLS_DIR)/suite-images-$(SUITE_IMAGES_KEY)
 export MOORAGE_SUITE_IMAGES := $(SUITE_IMAGES)
 # CNI plugins: Debian's containernetworking-plugins (deploy/host/install-deps.sh)
@@ -149,6 +151,8 @@ $(addprefix $(CONFORMANCE_BIN)/,$(CONFORMANCE_COMMANDS)) &:
 	@test -x "$(GO)" || { echo "make: Go is needed to build e2e.test (not found)"; exit 1; }
 	bash deploy/e2e/build-conformance.sh $(KUBERNETES_VERSION) $(CONFORMANCE_BIN).partial $(GO)
 	rm -rf $(CONFORMANCE_BIN) && mv $(CONFORMANCE_BIN).partial $(CONFORMANCE_BIN)
+	find $(TOOLS_DIR) -maxdepth 1 -name 'conformance-*' ! -name $(notdir $(CONFORMANCE_BIN)) \
+		-exec rm -rf {} +
 
 $(SUITE_IMAGES)/images.txt: $(CONFORMANCE_BIN)/agnhost | host
 	bash deploy/e2e/build-suite-images.sh $(KUBERNETES_VERSION) $(CONFORMANCE_BIN)/agnhost \

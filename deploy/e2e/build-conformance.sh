@@ -21,7 +21,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export GOFLAGS=-mod=mod
 
-modfile=$("$go" mod download -json "k8s.io/kubernetes@$version" | sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p')
+json=$("$go" mod download -json "k8s.io/kubernetes@$version")
+modfile=$(sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p' <<<"$json")
+kdir=$(sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p' <<<"$json")
 [ -f "$modfile" ] || { echo "build-conformance: no go.mod for k8s.io/kubernetes@$version" >&2; exit 1; }
 ginkgo_version=$(awk '$1 == "github.com/onsi/ginkgo/v2" { print $2; exit }' "$modfile")
 [ -n "$ginkgo_version" ] || { echo "build-conformance: no ginkgo in $modfile" >&2; exit 1; }
@@ -63,6 +65,8 @@ cd "$work"
 "$go" mod tidy >/dev/null
 "$go" test -c -trimpath -ldflags "$ldflags" -o "$out/e2e.test" k8s.io/kubernetes/test/e2e
 "$go" build -trimpath -o "$out/ginkgo" github.com/onsi/ginkgo/v2/ginkgo
-CGO_ENABLED=0 "$go" build -trimpath -ldflags "$ldflags" -o "$out/agnhost" \
-    k8s.io/kubernetes/test/images/agnhost
+# agnhost's version as its image Makefile stamps it (test/images/agnhost/VERSION)
+agnhost_version=$(cat "$kdir/test/images/agnhost/VERSION")
+CGO_ENABLED=0 "$go" build -trimpath -ldflags "-X main.Version=$agnhost_version" \
+    -o "$out/agnhost" k8s.io/kubernetes/test/images/agnhost
 echo "build-conformance: e2e.test $version, agnhost and ginkgo $ginkgo_version in $out"

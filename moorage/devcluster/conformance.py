@@ -84,19 +84,20 @@ class Counts:
 
 
 def read_junit(path: Path) -> Counts:
-    """Pass, fail and skip counts of a ginkgo JUnit report (its testcases)."""
+    """Pass, fail and skip counts of the specs (``[It] ...``) in a ginkgo JUnit
+    report; a suite node (``[SynchronizedBeforeSuite]`` and the like) counts
+    only when it failed, as a failure."""
     counts = Counts()
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name", "")
-        if case.find("skipped") is not None:
-            counts.skipped += 1
-        elif case.find("failure") is not None or case.find("error") is not None:
+        failed = case.find("failure") is not None or case.find("error") is not None
+        if failed:
             counts.failed += 1
             counts.failures.append(name)
-        elif name.startswith(("[SynchronizedBeforeSuite]", "[SynchronizedAfterSuite]")):
-            continue  # set-up and tear-down nodes, not specs: counted only when they fail
-        elif name.startswith(("[BeforeSuite]", "[AfterSuite]", "[ReportAfterSuite]")):
+        elif not name.startswith("[It]"):
             continue
+        elif case.find("skipped") is not None:
+            counts.skipped += 1
         else:
             counts.passed += 1
     return counts

@@ -51,14 +51,16 @@ def test_the_report_counts_specs_not_suite_nodes(tmp_path: Path) -> None:
     report.write_text(
         """<?xml version="1.0" encoding="UTF-8"?>
 <testsuites tests="5"><testsuite name="Kubernetes e2e suite" tests="5">
+  <testcase name="[ReportBeforeSuite]" status="passed"></testcase>
   <testcase name="[SynchronizedBeforeSuite]" status="passed"></testcase>
-  <testcase name="External Storage a" status="passed"></testcase>
-  <testcase name="External Storage b" status="failed"><failure message="x">x</failure></testcase>
-  <testcase name="External Storage c" status="skipped"><skipped message="s"></skipped></testcase>
+  <testcase name="[It] External Storage a" status="passed"></testcase>
+  <testcase name="[It] External Storage b" status="failed"><failure>x</failure></testcase>
+  <testcase name="[It] External Storage c" status="skipped"><skipped/></testcase>
+  <testcase name="[SynchronizedAfterSuite]" status="failed"><failure>y</failure></testcase>
   <testcase name="[ReportAfterSuite] Kubernetes e2e suite report" status="passed"></testcase>
 </testsuite></testsuites>
 """
     )
     counts = conformance.read_junit(report)
-    assert (counts.passed, counts.failed, counts.skipped) == (1, 1, 1)
-    assert counts.failures == ["External Storage b"]
+    assert (counts.passed, counts.failed, counts.skipped) == (1, 2, 1)
+    assert counts.failures == ["[It] External Storage b", "[SynchronizedAfterSuite]"]
