@@ -16,7 +16,7 @@ from typing import Any
 from moorage.devcluster import cleanup, control, network, procs
 from moorage.devcluster import node as nodes
 from moorage.devcluster.kube import Kube, KubectlError
-from moorage.devcluster.layout import CONTROL_NS, NAMESPACE, RELEASE, Layout
+from moorage.devcluster.layout import CONTROL_NS, NAMESPACE, RELEASE, Layout, Node
 from moorage.devcluster.tools import Tools
 
 log = logging.getLogger("moorage.devcluster")
@@ -51,10 +51,14 @@ def up(
     kube = Kube(layout, tools)
     _step(report, started, "control plane: etcd, kube-apiserver, controller-manager, scheduler")
     archives = [*sorted(tools.images.rglob("*.tar")), tools.moorage_image]
+    # kubelet makes its directory a shared mount; made here, in the host's mount
+    # table, the first node's mount namespace (a copy) shares its pods' mounts back
+    _shared_bind(layout.kubelet_dir)
     for node in layout.nodes:
         nodes.certificates(layout, node)
         nodes.make_cgroup_root(node)
         nodes.make_mount_namespace(layout, node)
+        nodes.start_init(layout, node)
         nodes.start_containerd(layout, node)
         nodes.import_images(node, archives)
         _step(report, started, f"{node.name}: containerd, {len(archives)} images imported")
@@ -71,6 +75,15 @@ def up(
         install_moorage(layout, kube)
         _step(report, started, "moorage installed by its Helm chart, plugin registered")
     return kube
+
+
+def _node_fuse_devices(layout: Layout, node: Node, prefixes: list[Path]) -> set[int]:
+    """FUSE filesystems under ``prefixes`` in the node's own mount namespace."""
+    try:
+        mountinfo = Path(f"/proc/{nodes.init_pid(layout, node)}/mountinfo").read_text()
+    except (procs.ClusterError, OSError):
+        return set()
+    return cleanup.fuse_devices_under(prefixes, mountinfo)
 
 
 def _node_ready(kube: Kube, name: str) -> bool:
@@ -210,23 +223,28 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
             report(f"graceful teardown incomplete ({e}); removing by force")
     # "kubepods": kubelet's default root, should a node have run without ours
     cgroups = [n.cgroup_root for n in layout.nodes] + [cleanup.FUSE_CGROUP, "kubepods"]
+    # the FUSE block files' filesystems, found before they are unmounted, in
+    # every mount namespace the nodes had: a node's own goes with its process 1
+    prefixes = [layout.kubelet_dir, layout.csi_state_dir]
+    fuse_devices: set[int] = set()
     for node in layout.nodes:
         for name in reversed(nodes.daemons(node)):
             if name.startswith("containerd"):
                 sockets = [n.containerd_socket for n in layout.nodes]
                 killed = cleanup.kill_containers(cgroups, sockets)
                 _step(report, started, f"{killed} container processes killed")
-            procs.stop(layout, name)
+            if name.startswith("init-"):
+                fuse_devices |= _node_fuse_devices(layout, node, prefixes)
+                nodes.stop_init(layout, node)
+            else:
+                procs.stop(layout, name)
             _step(report, started, f"{name} stopped")
     control.down(layout)
     for name in procs.known(layout):
         procs.stop(layout, name)
     _step(report, started, "daemons stopped")
     cleanup.remove_pod_netns()
-    # the FUSE block files' filesystems, before they are unmounted, in every
-    # node's mount namespace; a later node's goes with its pin
-    prefixes = [layout.kubelet_dir, layout.csi_state_dir]
-    fuse_devices = cleanup.fuse_devices_under(prefixes)
+    fuse_devices |= cleanup.fuse_devices_under(prefixes)
     for node in layout.nodes:
         if node.mount_ns is not None and node.mount_ns.exists():
             inside = subprocess.run(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -22,7 +26,73 @@ CNI_BIN = "/usr/lib/cni"
 
 
 def daemons(node: Node) -> list[str]:
-    return [f"containerd-{node.name}", f"kubelet-{node.name}", f"kube-proxy-{node.name}"]
+    """The node's daemons in the order they start (and stop in reverse): its
+    process 1 first, the namespaces the others join."""
+    return [
+        f"init-{node.name}",
+        f"containerd-{node.name}",
+        f"kubelet-{node.name}",
+        f"kube-proxy-{node.name}",
+    ]
+
+
+def start_init(layout: Layout, node: Node) -> None:
+    """The node's process 1 (moorage.devcluster.nodeinit), in PID and mount
+    namespaces of the node's own.
+
+    Its mount namespace is a copy of the node's (the host's for the first
+    node, the pinned one for a later node) in which the shared mounts stay
+    peers, so pods' mounts under kubelet's directory still reach the host;
+    only /proc differs: made private there and mounted anew for the node's PID
+    namespace, so the node's /proc/1 is this process, as on a real node.
+    ``unshare --kill-child``: when unshare is stopped the whole node goes.
+    """
+    argv = [
+        "unshare", "--mount", "--propagation", "unchanged", "--pid", "--fork",
+        "--mount-proc", "--kill-child",
+        sys.executable, "-m", "moorage.devcluster.nodeinit",
+    ]  # fmt: skip
+    name = f"init-{node.name}"
+    procs.start(layout, name, argv, netns=node.netns, mountns=node.mount_ns)
+    # unshare's child mounts the node's /proc, then becomes the init: only then
+    # may anything join its namespaces
+    procs.wait_for(
+        f"{name} running",
+        lambda: _is_init(init_pid(layout, node)),
+        timeout=30,
+        log=layout.logs / f"{name}.log",
+        alive=lambda: procs.running(layout, name),
+    )
+
+
+def _is_init(pid: int) -> bool:
+    try:
+        return "moorage.devcluster.nodeinit" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def stop_init(layout: Layout, node: Node) -> None:
+    """End the node's process 1, and with it every process of the node.
+
+    unshare itself waits out SIGTERM for its child, so the child is killed;
+    the kernel then kills the rest of the node's PID namespace."""
+    name = f"init-{node.name}"
+    unshare = procs.pid_of(layout, name)
+    if unshare is not None:
+        for child in procs.children(unshare):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    procs.stop(layout, name)
+
+
+def init_pid(layout: Layout, node: Node) -> int:
+    """The host's pid of the node's process 1 (unshare's one child)."""
+    name = f"init-{node.name}"
+    unshare = procs.pid_of(layout, name)
+    if unshare is None:
+        raise procs.ClusterError(f"{name} is not running (see {layout.logs / name}.log)")
+    return procs.forked_child(unshare, name)
 
 
 def certificates(layout: Layout, node: Node) -> None:
@@ -214,8 +284,12 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
     state = node.dir / "csi-state"
     for d in (kubelet, state, layout.kubelet_dir, layout.csi_state_dir):
         d.mkdir(parents=True, exist_ok=True)
-    # shared inside the namespace: the plugin's Bidirectional mount of it needs that
+    # shared inside the namespace: the plugin's Bidirectional mount of it needs
+    # that; the first node's kubelet directory (a shared bind mount on the
+    # host, copied here as a private one) is taken away first, or the runtime
+    # finds that copy under node-b's and calls the directory not shared
     script = (
+        f"{{ ! mountpoint -q {layout.kubelet_dir} || umount -R {layout.kubelet_dir}; }} && "
         f"mount --bind {kubelet} {layout.kubelet_dir} && "
         f"mount --make-rshared {layout.kubelet_dir} && "
         f"mount --bind {state} {layout.csi_state_dir}"
@@ -242,7 +316,11 @@ def start_containerd(layout: Layout, node: Node) -> None:
     _cni_config(node)
     name = f"containerd-{node.name}"
     procs.start(
-        layout, name, ["containerd", f"--config={config}"], netns=node.netns, mountns=node.mount_ns
+        layout,
+        name,
+        ["containerd", f"--config={config}"],
+        netns=node.netns,
+        inside=init_pid(layout, node),
     )
     procs.wait_for(
         f"{name} socket",
@@ -300,7 +378,7 @@ def start_kubelet(layout: Layout, node: Node, tools: Tools) -> None:
             f"--cert-dir={node.dir / 'kubelet-pki'}",
         ],
         netns=node.netns,
-        mountns=node.mount_ns,
+        inside=init_pid(layout, node),
     )
 
 
@@ -311,5 +389,5 @@ def start_proxy(layout: Layout, node: Node, tools: Tools) -> None:
         f"kube-proxy-{node.name}",
         [tools.kube("kube-proxy"), f"--config={config}"],
         netns=node.netns,
-        mountns=node.mount_ns,
+        inside=init_pid(layout, node),
     )

@@ -41,23 +41,26 @@ def start(
     *,
     netns: str,
     mountns: Path | None = None,
+    inside: int | None = None,
     env: dict[str, str] | None = None,
 ) -> int:
-    """Start ``argv`` in ``netns``; returns its pid (already running ones are left alone)."""
+    """Start ``argv`` in ``netns``; returns its pid (already running ones are left alone).
+
+    ``inside``: the pid of a node's process 1 (moorage.devcluster.nodeinit),
+    whose mount and PID namespaces the daemon joins; nsenter then forks it,
+    and the daemon's own pid is the one recorded.
+    """
     if running(layout, name):
         return pid_of(layout, name) or 0
     layout.logs.mkdir(parents=True, exist_ok=True)
     layout.pids.mkdir(parents=True, exist_ok=True)
     log = (layout.logs / f"{name}.log").open("ab")
+    enter = [f"--mount={mountns}"] if mountns else []
+    if inside is not None:
+        enter = [f"--target={inside}", "--mount", "--pid"]
     try:
         process = subprocess.Popen(
-            [
-                "nsenter",
-                f"--net=/run/netns/{netns}",
-                *([f"--mount={mountns}"] if mountns else []),
-                "--",
-                *argv,
-            ],
+            ["nsenter", f"--net=/run/netns/{netns}", *enter, "--", *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -66,14 +69,37 @@ def start(
         )
     finally:
         log.close()
-    # nsenter execs the daemon: the pid is the daemon's
+    # nsenter execs the daemon, unless it enters a PID namespace: then it forks
+    # the daemon and waits for it
+    pid = process.pid if inside is None else forked_child(process.pid, name)
     deadline = time.monotonic() + 5
-    started = _start_time(process.pid)
+    started = _start_time(pid)
     while started is None and time.monotonic() < deadline:
         time.sleep(0.01)
-        started = _start_time(process.pid)
-    (layout.pids / f"{name}.pid").write_text(f"{process.pid} {started}\n")
-    return process.pid
+        started = _start_time(pid)
+    (layout.pids / f"{name}.pid").write_text(f"{pid} {started}\n")
+    return pid
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (as this process's PID namespace numbers them)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def forked_child(pid: int, what: str, timeout: float = 10) -> int:
+    """The one child ``pid`` forks (nsenter's or unshare's), once it has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = children(pid)
+        if found:
+            return found[0]
+        if _start_time(pid) is None:
+            break
+        time.sleep(0.01)
+    raise ClusterError(f"{what}: no process forked by {pid} after {timeout:.0f} s")
 
 
 def pid_of(layout: Layout, name: str) -> int | None:
