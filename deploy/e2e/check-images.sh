@@ -77,6 +77,17 @@ while read -r role ref archive <&3; do
             # it has no --version flag (nor a version to stamp): its usage
             expect "$role-help" "Usage of /livenessprobe" "$name" "check-$role-help" /livenessprobe --help
             ;;
+        agnhost)
+            expect agnhost "^app version $tag$" "$name" check-agnhost /agnhost --version
+            # the suite's host-exec pods run busybox's nsenter in it
+            expect agnhost-nsenter "^/bin/busybox$" "$name" check-agnhost-nsenter readlink /usr/bin/nsenter
+            ;;
+        nginx)
+            expect nginx "nginx version: nginx/" "$name" check-nginx nginx -v
+            ;;
+        jessie-dnsutils)
+            expect jessie-dnsutils "^DiG " "$name" check-dnsutils dig -v
+            ;;
         fio)
             expect fio "^fio-$tag" "$name" check-fio fio --version
             ;;
