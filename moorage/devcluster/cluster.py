@@ -122,7 +122,7 @@ def install_moorage(layout: Layout, kube: Kube, sidecars: bool = True) -> None:
             "address": f"{sn.address}:7443",
             "poolHostPath": str(layout.storage_dir / "pool"),
             "dataHostPath": str(layout.storage_dir / "data"),
-            "loopPoolSize": "8Gi",
+            "loopPoolSize": "32Gi",
         },
         "node": {"stateHostPath": str(layout.csi_state_dir)},
         "sidecars": {"registrar": sidecars, "livenessprobe": sidecars},

@@ -33,7 +33,7 @@ def test_csinode_and_storage_capacity(cluster: Cluster) -> None:
         ]  # fmt: skip
         assert segment, f"no CSIStorageCapacity for {node.name}'s segment"
         for c in segment:
-            assert parse_size(c["capacity"]) > 1 << 30, c  # the 8 GiB loop pool, less in use
+            assert parse_size(c["capacity"]) > 1 << 30, c  # the 32 GiB loop pool, less in use
 
 
 NODE_PODS = "app.kubernetes.io/component=node"
