@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,10 +48,12 @@ def start_init(layout: Layout, node: Node) -> None:
     namespace, so the node's /proc/1 is this process, as on a real node.
     ``unshare --kill-child``: when unshare is stopped the whole node goes.
     """
+    init = [sys.executable, "-m", "moorage.devcluster.nodeinit"]
+    # other programs' mounts dropped from the copy first, then process 1 takes over
+    script = f"{shlex.join([*init, '--drop-mounts'])} && exec {shlex.join(init)}"
     argv = [
         "unshare", "--mount", "--propagation", "unchanged", "--pid", "--fork",
-        "--mount-proc", "--kill-child",
-        sys.executable, "-m", "moorage.devcluster.nodeinit",
+        "--mount-proc", "--kill-child", "sh", "-c", script,
     ]  # fmt: skip
     name = f"init-{node.name}"
     procs.start(layout, name, argv, netns=node.netns, mountns=node.mount_ns)
@@ -66,10 +69,12 @@ def start_init(layout: Layout, node: Node) -> None:
 
 
 def _is_init(pid: int) -> bool:
+    """Whether ``pid`` is already nodeinit itself (not the shell before it)."""
     try:
-        return "moorage.devcluster.nodeinit" in Path(f"/proc/{pid}/cmdline").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
     except OSError:
         return False
+    return argv[-3:-1] == ["-m", "moorage.devcluster.nodeinit"] and argv[-1] == ""
 
 
 def stop_init(layout: Layout, node: Node) -> None:
@@ -292,7 +297,9 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
         f"{{ ! mountpoint -q {layout.kubelet_dir} || umount -R {layout.kubelet_dir}; }} && "
         f"mount --bind {kubelet} {layout.kubelet_dir} && "
         f"mount --make-rshared {layout.kubelet_dir} && "
-        f"mount --bind {state} {layout.csi_state_dir}"
+        f"mount --bind {state} {layout.csi_state_dir} && "
+        # no copy of another program's mounts under /tmp may stay pinned here
+        f"{sys.executable} -m moorage.devcluster.nodeinit --drop-mounts"
     )
     subprocess.run(
         ["unshare", f"--mount={pin}", "--propagation", "private", "sh", "-c", script],

@@ -7,15 +7,52 @@ that even to root, so each dev node gets a PID namespace (and a mount
 namespace with its own /proc) whose process 1 is this: it holds the
 namespaces, adopts the orphans of the node's daemons and reaps them.  When it
 dies the kernel ends every process of the node.
+
+A new mount namespace starts as a copy of the one it came from, mounts other
+programs had there included: a test's pool mounted under /tmp would then
+stay mounted in the node's copy and keep its loop device busy.  So first the
+copies of what lies under :data:`FOREIGN` are made private (an unmount must
+not reach the host through a shared peer) and detached: ``--drop-mounts``,
+run in the node's namespace before process 1 takes over (and in a later
+node's pinned mount namespace).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# where other programs (tests, the kernel lane) mount their own things
+FOREIGN = ("/tmp",)
 
 
-def main() -> None:
+def _mount_points() -> list[str]:
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        points.append(point.encode().decode("unicode_escape"))
+    return points
+
+
+def drop_foreign_mounts(prefixes: tuple[str, ...] = FOREIGN) -> list[str]:
+    """Detach this mount namespace's mounts under ``prefixes``; the ones dropped."""
+    points = [p for p in _mount_points() if any(p == x or p.startswith(x + "/") for x in prefixes)]
+    for point in points:
+        subprocess.run(["mount", "--make-private", point], capture_output=True, check=False)
+    dropped = []
+    for point in sorted(set(points), key=lambda p: -p.count("/")):
+        if subprocess.run(["umount", "-l", point], capture_output=True).returncode == 0:
+            dropped.append(point)
+    return dropped
+
+
+def main(argv: list[str]) -> None:
+    if argv == ["--drop-mounts"]:
+        drop_foreign_mounts()
+        return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
     while True:
         try:
@@ -29,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

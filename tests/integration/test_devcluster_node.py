@@ -82,3 +82,31 @@ def test_the_node_has_a_process_1_its_daemons_and_host_exec_pods_reach(
     while procs.running(layout, "daemon"):
         assert time.monotonic() < deadline, "the node's daemon outlived its process 1"
         time.sleep(0.05)
+
+
+def test_the_node_keeps_no_copy_of_other_programs_mounts_under_tmp(
+    node: tuple[Layout, Node], tmp_path: Path
+) -> None:
+    """A test's mount under /tmp when the node starts is not pinned by the node's
+    copy of the mount table, and taking it out of the copy leaves the host's."""
+    layout, n = node
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(foreign)], check=True)
+    try:
+        # shared, as a test's Bidirectional kubelet directory is: an unmount in a
+        # peer would reach the host's
+        subprocess.run(["mount", "--make-shared", str(foreign)], check=True)
+        (foreign / "mark").write_text("here\n")
+        nodes.start_init(layout, n)
+        init = nodes.init_pid(layout, n)
+        inside = Path(f"/proc/{init}/mountinfo").read_text()
+        assert f" {foreign} " not in inside, inside
+        assert (foreign / "mark").read_text() == "here\n"
+        assert any(
+            line.split()[4] == str(foreign)
+            for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        )
+    finally:
+        nodes.stop_init(layout, n)
+        subprocess.run(["umount", str(foreign)], check=True)
