@@ -382,11 +382,10 @@ def test_fuse_nfs_mount_refuses_flags_it_cannot_honour(site: Site) -> None:
         Mounted(vol, ctx, node_id, soft, staging, staging / "unused").teardown(site)
 
 
-def test_fuse_nfs_mount_carries_the_per_mount_flags_asked_for(site: Site) -> None:
-    """A StorageClass's mountOptions noatime/nosuid/nodev/noexec on the FUSE NFS
-    mount: in the mount table (where Kubernetes' suite looks) and in effect."""
-    if site.plugin_plan_nfs() != "fuse-nfs":
-        pytest.fail("this test is about the FUSE NFS path, which this host must use")
+def test_nfs_mount_carries_the_per_mount_flags_asked_for(site: Site) -> None:
+    """A StorageClass's mountOptions noatime/nosuid/nodev/noexec on the NFS mount,
+    FUSE (this host) or kernel (the kernel lane's guest): in the mount table, where
+    Kubernetes' suite looks, and in effect."""
     flags = ["noatime", "nosuid", "nodev", "noexec"]
     cap = pb.VolumeCapability(
         mount=pb.VolumeCapability.MountVolume(mount_flags=["nfsvers=4.1", *flags]),

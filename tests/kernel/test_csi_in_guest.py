@@ -66,7 +66,7 @@ def test_the_kubelet_sequence_on_the_kernel_paths(guest: Lane, store: Store) -> 
         "--deselect",
         "tests/integration/test_csi_node.py::test_fuse_nfs_mount_refuses_flags_it_cannot_honour",
     )  # fmt: skip
-    _all_passed(cases, 12)
+    _all_passed(cases, 13)
     names = {name for name, _ in cases}
     assert "test_a_killed_plugin_leaves_pods_working_and_cleans_up_after_restart" in names
     assert "test_after_a_reboot_staging_again_brings_the_data_back" in names
