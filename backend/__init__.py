@@ -1,1 +1,1 @@
-"""moorage: backend package."""
+"""The storage node: its catalog, pool, exports, operations, API and daemon."""

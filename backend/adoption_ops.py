@@ -20,22 +20,27 @@ from backend.catalog.models import FsType, OperationKind, Volume, VolumeState, V
 from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from backend.filesystems import FS_TYPES
 from backend.imagefiles import fsync_path
-from backend.operation import Intent, Operations, new_id
-from backend.pool import EXPORT_DIR_MODE
+from backend.operation import Intent, ServiceContext, close_journal, new_id
 from backend.quarantine import Orphan
-from backend.views import VolumeInfo, volume_info
-from backend.volume_ops import VolumeOperations
+from backend.views import VolumeInfo
+from backend.volume_ops import Volumes, next_export_id
 
 log = logging.getLogger("moorage.backend.adopt")
 
 
-class AdoptionOperations(Operations):
+class Adoption:
+    """The quarantine's operations, over the service's shared context."""
+
+    def __init__(self, ctx: ServiceContext, volumes: Volumes) -> None:
+        self.ctx = ctx
+        self.volumes = volumes
+
     def list_orphans(self) -> list[Orphan]:
-        return quarantine.list_orphans(self.pool)
+        return quarantine.list_orphans(self.ctx.pool)
 
     def purge_orphan(self, name: str) -> Orphan:
-        with self._locks.hold(f"orphan:{name}"):
-            return quarantine.purge(self.pool, name)
+        with self.ctx.locks.hold(f"orphan:{name}"):
+            return quarantine.purge(self.ctx.pool, name)
 
     def adopt_volume(self, orphan: str, name: str, kind: str = "") -> VolumeInfo:
         """Record the quarantined image ``orphan`` as volume ``name``.
@@ -45,12 +50,14 @@ class AdoptionOperations(Operations):
         catalog does not use it; its size is the image's.
         """
         name = validation.volume_name(name)
-        quarantine.orphan_path(self.pool, orphan)  # validates the name, NotFound if gone
+        quarantine.orphan_path(self.ctx.pool, orphan)  # validates the name, NotFound if gone
         if kind not in ("", "nbd", "nfs"):
             raise InvalidArgument(f"volume type {kind[:20]!r} is not nbd or nfs")
 
         def decide(s: Session) -> Intent[str]:
-            info = next((o for o in quarantine.list_orphans(self.pool) if o.name == orphan), None)
+            info = next(
+                (o for o in quarantine.list_orphans(self.ctx.pool) if o.name == orphan), None
+            )
             if info is None:
                 raise FailedPrecondition(f"quarantined image {orphan} is gone")
             if get_volume_by_name(s, name) is not None:
@@ -62,7 +69,7 @@ class AdoptionOperations(Operations):
                     f"{orphan} holds no xfs or ext4 filesystem: adopt it as an nbd volume"
                 )
             vol_id = info.original_id
-            if s.get(Volume, vol_id) is not None or self.pool.image_path(vol_id).exists():
+            if s.get(Volume, vol_id) is not None or self.ctx.pool.image_path(vol_id).exists():
                 vol_id = new_id()
             params = {"fs_type": fs, "squash": "root_squash"} if vtype == VolumeType.NFS else {}
             s.add(
@@ -76,36 +83,31 @@ class AdoptionOperations(Operations):
                     parameters=params,
                     labels={},
                     state=VolumeState.CREATING,
-                    nfs_export_id=(
-                        VolumeOperations._next_export_id(s) if vtype == VolumeType.NFS else None
-                    ),
+                    nfs_export_id=next_export_id(s) if vtype == VolumeType.NFS else None,
                 )
             )
             record_operation(s, OperationKind.ADOPT_VOLUME, vol_id, {"orphan": orphan})
             return Intent(vol_id, lambda: self.finish_adopt(vol_id, orphan))
 
-        vol_id = self._operation(
+        vol_id = self.ctx.operation(
             [f"name:{name}", f"orphan:{orphan}"], decide, failpoint_at="adopt.intent"
         )
-        with self.catalog.session() as s:
-            v = s.get(Volume, vol_id)
-            assert v is not None
-            return volume_info(s, v, self.pool)
+        return self.volumes.get_volume(volume_id=vol_id)
 
     def finish_adopt(self, vol_id: str, orphan: str) -> None:
         """Link the image back into place, mount an nfs volume, mark it ready (idempotent).
 
         On failure the image goes back to quarantine and the record is removed.
         """
-        with self.catalog.session() as s:
+        with self.ctx.catalog.read_session() as s:
             v = s.get(Volume, vol_id)
             if v is None:
                 return
             vtype, fs = v.type, (v.fs_type.value if v.fs_type else None)
-        image = self.pool.image_path(vol_id)
-        source = quarantine.folder(self.pool) / orphan
+        image = self.ctx.pool.image_path(vol_id)
+        source = quarantine.folder(self.ctx.pool) / orphan
         try:
-            self.pool.ensure_layout()
+            self.ctx.pool.ensure_layout()
             if source.exists():
                 if not image.exists():
                     os.link(source, image)  # never replaces: fails if the name is taken
@@ -116,26 +118,23 @@ class AdoptionOperations(Operations):
             os.chmod(image, 0o600)
             if vtype == VolumeType.NFS:
                 assert fs is not None
-                self.pool.mount_fs_volume(vol_id, fs)
-                export = self.pool.export_dir(vol_id)
-                if not export.is_dir():
-                    export.mkdir()
-                    os.chmod(export, EXPORT_DIR_MODE)
+                self.ctx.pool.mount_fs_volume(vol_id, fs)
+                self.ctx.pool.ensure_export_dir(vol_id)
         except BaseException as e:
             log.error("adopting %s as volume %s failed: %s", orphan, vol_id, e)
-            self.pool.unmount_fs_volume(vol_id)
-            self.pool.remove_mount_dir(vol_id)
+            self.ctx.pool.unmount_fs_volume(vol_id)
+            self.ctx.pool.remove_mount_dir(vol_id)
             if image.exists() and not source.exists():
-                quarantine.quarantine(self.pool, image, "volume", vol_id)
-            with self.catalog.session() as s:
-                self._close_journal(s, vol_id, OperationKind.ADOPT_VOLUME, error=str(e))
+                quarantine.quarantine(self.ctx.pool, image, "volume", vol_id)
+            with self.ctx.catalog.session() as s:
+                close_journal(s, vol_id, OperationKind.ADOPT_VOLUME, error=str(e))
                 v = s.get(Volume, vol_id)
                 if v is not None:
                     s.delete(v)
             raise
-        with self.catalog.session() as s:
+        with self.ctx.catalog.session() as s:
             v = s.get(Volume, vol_id)
             if v is not None:
                 v.state = VolumeState.READY
-            self._close_journal(s, vol_id, OperationKind.ADOPT_VOLUME)
+            close_journal(s, vol_id, OperationKind.ADOPT_VOLUME)
         log.warning("quarantined image %s adopted as volume %s", orphan, vol_id)

@@ -1,7 +1,7 @@
 """Errors of the storage node, by kind.
 
-Raised anywhere in ``backend``; mapped to gRPC status codes once, in
-``backend/api.py``.
+Raised anywhere in ``backend``; mapped to gRPC status codes once, where the
+API answers.
 """
 
 from __future__ import annotations

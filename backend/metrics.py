@@ -88,7 +88,7 @@ class StorageNodeCollector(Collector):
             "moorage_volumes", "Volumes by type and state.", labels=["type", "state"]
         )
         query = select(Volume.type, Volume.state, func.count()).group_by(Volume.type, Volume.state)
-        with self.service.catalog.session() as s:
+        with self.service.catalog.read_session() as s:
             for vtype, vstate, count in s.execute(query):
                 volumes.add_metric([vtype.value, vstate.value], count)
         yield volumes

@@ -1,14 +1,13 @@
-"""How every operation of the storage node starts and ends.
+"""What every operation of the storage node shares, and how each starts and ends.
 
-Each operation that changes something runs through ``Operations._operation``:
+Each operation that changes something runs through ``ServiceContext.operation``:
 hold the locks of the objects it touches; under the catalog-wide decision lock,
 in one transaction, check the request against the catalog and record the intent
 (the row in its transitional state plus a pending journal entry); then, with
 the intent committed, do the file, mount and export work (a ``finish_*``
-method, each step idempotent) and close the journal entry.
-``backend/reconcile.py`` re-runs the ``finish_*`` step of any operation a crash
-interrupted.  The operations themselves live in ``volume_ops.py``,
-``snapshot_ops.py`` and ``publication_ops.py``.
+method, each step idempotent) and close the journal entry.  The start-up
+reconciliation re-runs the same ``finish_*`` step of any operation a crash
+interrupted.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from backend.catalog.db import Catalog, finish_operation
-from backend.catalog.models import Operation, OperationKind, Volume
+from backend.catalog.models import Operation, OperationKind, OperationState, Volume
 from backend.errors import InvalidArgument, ResourceExhausted
 from backend.exporting import Exporter, Exports
 from backend.failpoints import failpoint
@@ -67,22 +66,25 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-class Operations:
-    """The state every operation shares and the steps they all take."""
+@dataclass
+class ServiceContext:
+    """The state every operation shares: the catalog, the pool, the exporter,
+    the configuration, and the locks that order the operations."""
 
-    def __init__(
-        self, catalog: Catalog, pool: Pool, exporter: Exporter, config: ServiceConfig
-    ) -> None:
-        self.catalog = catalog
-        self.pool = pool
-        self.exporter = exporter
-        self.config = config
-        self.exports = Exports(pool, exporter, config.nbd_tls)
-        # Decisions that read then write the catalog (capacity, names, export ids).
-        self._decide = threading.Lock()
-        self._locks = KeyLocks()
+    catalog: Catalog
+    pool: Pool
+    exporter: Exporter
+    config: ServiceConfig
+    # Decisions that read then write the catalog (capacity, names, export ids).
+    decisions: threading.Lock = field(default_factory=threading.Lock)
+    # One per object an operation touches (an id, a name).
+    locks: KeyLocks = field(default_factory=KeyLocks)
+    exports: Exports = field(init=False)
 
-    def _operation(
+    def __post_init__(self) -> None:
+        self.exports = Exports(self.pool, self.exporter, self.config.nbd_tls)
+
+    def operation(
         self, keys: Sequence[str], decide: Callable[[Session], Intent[T]], failpoint_at: str
     ) -> T:
         """The one way an operation starts.
@@ -95,15 +97,16 @@ class Operations:
         """
         with ExitStack() as held:
             for key in keys:
-                held.enter_context(self._locks.hold(key))
-            with self._decide, self.catalog.session() as s:
+                held.enter_context(self.locks.hold(key))
+            with self.decisions, self.catalog.session() as s:
                 intent = decide(s)
             if intent.then is not None:
                 failpoint(failpoint_at)
                 intent.then()
         return intent.answer
 
-    def _check_capacity(self, s: Session, extra: int) -> None:
+    def check_capacity(self, s: Session, extra: int) -> None:
+        """ResourceExhausted unless ``extra`` more bytes may be promised (in a decision)."""
         cap = capacity_info(s, self.pool, self.config.overcommit_ratio)
         if extra > cap.available_bytes:
             raise ResourceExhausted(
@@ -112,25 +115,39 @@ class Operations:
                 f"{cap.provisioned_bytes} provisioned)"
             )
 
-    def _close_journal(
-        self, s: Session, target: str, *kinds: OperationKind, error: str | None = None
-    ) -> None:
-        """Mark the pending journal entry of ``target`` done (or failed with ``error``)."""
-        op = self._pending_op(s, target, *kinds)
-        if op is not None:
-            finish_operation(op, error=error)
-
-    def _pending_op(self, s: Session, target: str, *kinds: OperationKind) -> Operation | None:
-        return s.scalars(
-            select(Operation)
-            .where(Operation.target_id == target, Operation.kind.in_(kinds))
-            .where(Operation.state == "pending")
-            .order_by(Operation.id.desc())
-        ).first()
-
     def apply_exports(self, vol_id: str) -> None:
         """Make the exporter match the catalog for one volume (idempotent)."""
-        with self.catalog.session() as s:
+        with self.catalog.read_session() as s:
             v = s.get(Volume, vol_id)
             if v is not None:
                 self.exports.apply(s, v)
+
+
+def pending_operation(
+    s: Session, target: str, *kinds: OperationKind, node: str | None = None
+) -> Operation | None:
+    """The newest pending journal entry of ``target`` of one of ``kinds``;
+    with ``node``, only one recorded for that node (a publication's)."""
+    ops = s.scalars(
+        select(Operation)
+        .where(Operation.target_id == target, Operation.kind.in_(kinds))
+        .where(Operation.state == OperationState.PENDING)
+        .order_by(Operation.id.desc())
+    )
+    for op in ops:
+        if node is None or (op.payload or {}).get("node") == node:
+            return op
+    return None
+
+
+def close_journal(
+    s: Session,
+    target: str,
+    *kinds: OperationKind,
+    error: str | None = None,
+    node: str | None = None,
+) -> None:
+    """Mark the pending journal entry of ``target`` done (or failed with ``error``)."""
+    op = pending_operation(s, target, *kinds, node=node)
+    if op is not None:
+        finish_operation(op, error=error)

@@ -16,10 +16,6 @@ to the NBD client.  Filesystem (nfs) images never are: they are fully
 allocated when made, cloned and grown, and their loop devices refuse
 discard, because a loop device that cannot write back to a full pool loses
 the filesystem's data without telling anyone (docs/backend.md, "A full pool").
-
-The mechanics live beside it: :mod:`backend.imagefiles` (temp files, copies),
-:mod:`backend.filesystems` (sizes, mkfs, growing), :mod:`backend.mounts` and
-:mod:`backend.loopdevices`.
 """
 
 from __future__ import annotations
@@ -322,7 +318,7 @@ class Pool:
             self._allocate(vol_id, image, 0, existing)  # a no-op once allocated
         failpoint("pool.formatted")
         self.mount_fs_volume(vol_id, fs_type)
-        export = self._ensure_export_dir(vol_id)
+        export = self.ensure_export_dir(vol_id)
         if fresh:
             usable = self._usable_bytes(vol_id)
             if usable < size:
@@ -343,6 +339,16 @@ class Pool:
             log.info("mounted volume %s on %s", vol_id, mount_point)
         _refuse_discard(mount_table().get(mount_point))
         return mount_point
+
+    def ensure_export_dir(self, vol_id: str) -> Path:
+        """The export dir at the root of a mounted volume's filesystem, made
+        (open to every client, see EXPORT_DIR_MODE) if missing."""
+        export = self.export_dir(vol_id)
+        if not export.is_dir():
+            export.mkdir()
+            os.chmod(export, EXPORT_DIR_MODE)  # mkdir's mode is cut by the umask
+            fsync_path(export.parent)
+        return export
 
     def unmount_fs_volume(self, vol_id: str) -> None:
         """Unmount and make sure no loop device is left on the image; a no-op if done."""
@@ -622,15 +628,7 @@ class Pool:
         self.mount_fs_volume(vol_id, fs_type)
         if fs_type == "xfs":
             grow_mounted_fs(self.mount_dir(vol_id), fs_type)  # xfs only grows mounted
-        return self._ensure_export_dir(vol_id)
-
-    def _ensure_export_dir(self, vol_id: str) -> Path:
-        export = self.export_dir(vol_id)
-        if not export.is_dir():
-            export.mkdir()
-            os.chmod(export, EXPORT_DIR_MODE)  # mkdir's mode is cut by the umask
-            fsync_path(export.parent)
-        return export
+        return self.ensure_export_dir(vol_id)
 
     def _usable_bytes(self, vol_id: str) -> int:
         st = os.statvfs(self.mount_dir(vol_id))

@@ -7,8 +7,8 @@ the catalog is new or empty while the pool holds volume images: a catalog on
 the wrong path, restored from an older backup or lost with a container's
 layer would otherwise make the start-up reconciliation treat every volume as
 unknown.  ``--claim-pool`` makes the operator's decision explicit: the
-catalog takes the pool's id, and images it does not know are quarantined
-(``backend/quarantine.py``), never deleted.
+catalog takes the pool's id, and images it does not know are quarantined,
+never deleted.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def write_pool_id(pool_root: Path, pool_id: str) -> None:
 
 
 def catalog_pool_id(catalog: Catalog) -> str | None:
-    with catalog.session() as s:
+    with catalog.read_session() as s:
         row = s.scalars(select(PoolIdentity)).first()
         return row.pool_id if row is not None else None
 
@@ -110,7 +110,7 @@ def check_pool_identity(catalog: Catalog, pool: Pool, claim: bool = False) -> Id
     """
     in_pool = read_pool_id(pool.root)
     in_catalog = catalog_pool_id(catalog)
-    with catalog.session() as s:
+    with catalog.read_session() as s:
         volumes = int(s.scalar(select(func.count()).select_from(Volume)) or 0)
     images = len(pool.list_volume_images())
     fix = (

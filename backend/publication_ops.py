@@ -1,8 +1,8 @@
 """The storage node's publications: make a volume reachable by one node, and undo it.
 
 A publication is a catalog row per (volume, node); the exports that follow
-from it (an NBD export per node, the NFS export's client list) are rendered by
-``backend/exporting.py``.
+from it (an NBD export per node, the NFS export's client list) are always
+rendered from those rows.
 """
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ from backend.catalog.models import (
     VolumeType,
 )
 from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from backend.exporting import nbd_export_name, nfs_pseudo_path
+from backend.exporting import nbd_export_name, nfs_pseudo_path, publication_problem
 from backend.failpoints import failpoint
-from backend.operation import Intent, Operations
+from backend.operation import Intent, ServiceContext, close_journal
 from backend.views import NbdTargetInfo, NfsTargetInfo
 from nbd.exports import ExportError
 
 log = logging.getLogger("moorage.backend")
 
 
-class PublicationOperations(Operations):
+class Publications:
+    """Every operation on publications, over the service's shared context."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
     def publish_volume(
         self,
         volume_id: str,
@@ -101,16 +106,16 @@ class PublicationOperations(Operations):
                 return Intent(self._target(v, node), lambda: self._finish_new_publish(vol_id, node))
             return Intent(self._target(v, node), lambda: self.finish_publish(vol_id, node))
 
-        return self._operation([vol_id], decide, failpoint_at="publish.intent")
+        return self.ctx.operation([vol_id], decide, failpoint_at="publish.intent")
 
     def _check_exports(self, v: Volume, pubs: list[Publication]) -> None:
         """Render what the exports of ``v`` would be with ``pubs``, recording nothing:
         what ganesha's model or the NBD export table would refuse is refused now."""
         try:
             if v.type == VolumeType.NFS:
-                self.exports.nfs_config(v, pubs)
+                self.ctx.exports.nfs_config(v, pubs)
             else:
-                self.exports.nbd_exports(v, pubs)
+                self.ctx.exports.nbd_exports(v, pubs)
         except ExportError as e:
             raise InvalidArgument(f"volume {v.id} cannot be exported so: {e}") from None
 
@@ -124,39 +129,56 @@ class PublicationOperations(Operations):
             raise
 
     def _withdraw_publish(self, vol_id: str, node: str, error: Exception) -> None:
-        log.error("publishing volume %s to %r failed, withdrawn: %s", vol_id, node, error)
-        with self.catalog.session() as s:
+        log.error("publishing volume %s to %r failed, withdrawn: %s", vol_id, node[:80], error)
+        with self.ctx.catalog.session() as s:
             pub = get_publication(s, vol_id, node)
             if pub is not None and pub.state == PublicationState.PUBLISHING:
                 s.delete(pub)
-            self._close_journal(s, vol_id, OperationKind.PUBLISH, error=str(error)[:500])
+            close_journal(s, vol_id, OperationKind.PUBLISH, error=str(error)[:500], node=node)
         try:  # take back whatever part of the exports was applied
-            self.apply_exports(vol_id)
+            self.ctx.apply_exports(vol_id)
         except Exception:
             log.exception("volume %s: re-applying its exports after the withdrawal failed", vol_id)
 
     def finish_publish(self, vol_id: str, node: str) -> None:
-        self.apply_exports(vol_id)
-        failpoint("publish.exported")
-        with self.catalog.session() as s:
+        """Export a recorded publication and mark it published (idempotent: a
+        retried publish and the start-up reconciliation run it again).
+
+        A row still publishing that cannot be exported, one an older version
+        recorded before checking what its exports could be made of, never
+        succeeded and never can: it is withdrawn (InvalidArgument).
+        """
+        problem = None
+        with self.ctx.catalog.read_session() as s:
             pub = get_publication(s, vol_id, node)
-            assert pub is not None
-            pub.state = PublicationState.PUBLISHED
-            self._close_journal(s, vol_id, OperationKind.PUBLISH)
+            if pub is not None and pub.state == PublicationState.PUBLISHING:
+                problem = publication_problem(pub)
+        if problem is not None:
+            error = InvalidArgument(f"publication to {node[:80]!r} withdrawn: {problem}")
+            self._withdraw_publish(vol_id, node, error)
+            raise error
+        self.ctx.apply_exports(vol_id)
+        failpoint("publish.exported")
+        with self.ctx.catalog.session() as s:
+            pub = get_publication(s, vol_id, node)
+            if pub is not None and pub.state == PublicationState.PUBLISHING:
+                pub.state = PublicationState.PUBLISHED
+            gone = None if pub is not None else "the publication is gone"
+            close_journal(s, vol_id, OperationKind.PUBLISH, error=gone, node=node)
 
     def _target(self, v: Volume, node: str) -> NfsTargetInfo | NbdTargetInfo:
         if v.type == VolumeType.NFS:
             return NfsTargetInfo(
-                self.config.nfs_server,
-                self.config.nfs_port,
+                self.ctx.config.nfs_server,
+                self.ctx.config.nfs_port,
                 nfs_pseudo_path(v),
-                self.config.mount_port,
+                self.ctx.config.mount_port,
             )
         return NbdTargetInfo(
-            self.config.nbd_host,
-            self.config.nbd_port,
+            self.ctx.config.nbd_host,
+            self.ctx.config.nbd_port,
             nbd_export_name(v.id, node),
-            self.config.nbd_tls,
+            self.ctx.config.nbd_tls,
         )
 
     def unpublish_volume(self, volume_id: str, node_id: str) -> None:
@@ -180,14 +202,14 @@ class PublicationOperations(Operations):
                 record_operation(s, OperationKind.UNPUBLISH, vol_id, {"node": node})
             return Intent(None, lambda: self.finish_unpublish(vol_id, node))
 
-        self._operation([vol_id], decide, failpoint_at="unpublish.intent")
+        self.ctx.operation([vol_id], decide, failpoint_at="unpublish.intent")
 
     def finish_unpublish(self, vol_id: str, node: str) -> None:
-        self.apply_exports(vol_id)
+        self.ctx.apply_exports(vol_id)
         failpoint("unpublish.exported")
-        with self.catalog.session() as s:
+        with self.ctx.catalog.session() as s:
             pub = get_publication(s, vol_id, node)
             if pub is not None:
                 s.delete(pub)
-            self._close_journal(s, vol_id, OperationKind.UNPUBLISH)
+            close_journal(s, vol_id, OperationKind.UNPUBLISH, node=node)
         log.info("volume %s unpublished from %r", vol_id, node)

@@ -17,7 +17,7 @@ from backend.catalog.db import finish_operation, pending_operations, publication
 from backend.catalog.models import (
     Operation,
     OperationKind,
-    Publication,
+    OperationState,
     PublicationState,
     Snapshot,
     SnapshotState,
@@ -25,7 +25,7 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import BackendError, InvalidArgument
+from backend.errors import BackendError
 from backend.exporting import exportable, publication_problem
 from backend.ganesha.config import ExportConfig
 from backend.ganesha.files import GaneshaFiles
@@ -53,79 +53,46 @@ def reconcile(service: StorageService, files: GaneshaFiles) -> list[str]:
 
 
 def _finish_operations(service: StorageService) -> list[str]:
+    """Run again the step of every operation a crash interrupted: the same
+    ``finish_*`` step the operation itself runs once its intent is recorded."""
     repairs: list[str] = []
-    with service.catalog.session() as s:
+    with service.catalog.read_session() as s:
         ops = [(o.id, o.kind, o.target_id, dict(o.payload or {})) for o in pending_operations(s)]
     for op_id, kind, target, payload in ops:
         what = f"interrupted {kind.value} of {target}"
+        node = str(payload.get("node", ""))
         try:
             match kind:
                 case OperationKind.CREATE_VOLUME | OperationKind.CLONE_VOLUME:
-                    service.finish_create(target)
+                    service.volumes.finish_create(target)
                 case OperationKind.DELETE_VOLUME:
-                    service.finish_delete(target)
+                    service.volumes.finish_delete(target)
                 case OperationKind.EXPAND_VOLUME:
-                    service.finish_expand(target, int(payload.get("size", 0)))
+                    service.volumes.finish_expand(target, int(payload.get("size", 0)))
                 case OperationKind.CREATE_SNAPSHOT:
-                    service.finish_snapshot(target)
+                    service.snapshots.finish_snapshot(target)
                 case OperationKind.DELETE_SNAPSHOT:
-                    service.finish_delete_snapshot(target)
+                    service.snapshots.finish_delete_snapshot(target)
                 case OperationKind.PUBLISH:
-                    _finish_publish(service, op_id, target, str(payload.get("node", "")))
+                    service.publications.finish_publish(target, node)
                 case OperationKind.UNPUBLISH:
-                    service.finish_unpublish(target, str(payload.get("node", "")))
+                    service.publications.finish_unpublish(target, node)
                 case OperationKind.ADOPT_VOLUME:
-                    service.finish_adopt(target, str(payload.get("orphan", "")))
+                    service.adoption.finish_adopt(target, str(payload.get("orphan", "")))
             repairs.append(f"finished {what}")
         except (BackendError, OSError) as e:
             repairs.append(f"rolled back {what}: {e}")
         with service.catalog.session() as s:
             op = s.get(Operation, op_id)
-            if op is not None and op.state.value == "pending":
+            if op is not None and op.state == OperationState.PENDING:
                 finish_operation(op, error="abandoned at start-up")
     return repairs
-
-
-def _finish_publish(service: StorageService, op_id: int, vol_id: str, node: str) -> None:
-    # A publish an older version recorded before checking what its exports
-    # could be made of: it never succeeded, and never can; withdraw it.
-    problem = None
-    with service.catalog.session() as s:
-        pub = s.scalars(
-            select(Publication).where(Publication.volume_id == vol_id, Publication.node_id == node)
-        ).first()
-        if pub is not None and pub.state == PublicationState.PUBLISHING:
-            problem = publication_problem(pub)
-            if problem is not None:
-                log.error(
-                    "publication of volume %s to %r cannot be exported: %s", vol_id, node, problem
-                )
-                s.delete(pub)
-                op = s.get(Operation, op_id)
-                if op is not None and op.state.value == "pending":
-                    finish_operation(op, error=f"cannot be exported: {problem}"[:500])
-    if problem is not None:
-        service.apply_exports(vol_id)
-        raise InvalidArgument(f"publication to {node[:80]!r} withdrawn: {problem}")
-    service.apply_exports(vol_id)
-    with service.catalog.session() as s:
-        pub = s.scalars(
-            select(Publication).where(Publication.volume_id == vol_id, Publication.node_id == node)
-        ).first()
-        if pub is None:
-            return  # nothing to finish: the journal entry is closed as abandoned
-        if pub.state == PublicationState.PUBLISHING:
-            pub.state = PublicationState.PUBLISHED
-        # finished, as publish_volume itself would have recorded it
-        op = s.get(Operation, op_id)
-        if op is not None and op.state.value == "pending":
-            finish_operation(op)
 
 
 def _reconcile_files(service: StorageService) -> list[str]:
     pool = service.pool
     repairs: list[str] = []
-    with service.catalog.session() as s:
+    with service.catalog.read_session() as s:
         volumes = {v.id: (v.type, v.fs_type, v.state) for v in s.scalars(select(Volume))}
         snapshots = {x.id: x.state for x in s.scalars(select(Snapshot))}
     # Images the catalog does not know are never deleted here: a catalog
@@ -169,7 +136,7 @@ def _reconcile_exports(service: StorageService, files: GaneshaFiles) -> list[str
     wanted: list[ExportConfig] = []
     nbd_count = 0
     skipped: list[str] = []
-    with service.catalog.session() as s:
+    with service.catalog.read_session() as s:
         for v in s.scalars(select(Volume)):
             pubs = [p for p in publications_of(s, v.id) if p.state != PublicationState.UNPUBLISHING]
             for p in pubs:

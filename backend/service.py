@@ -1,9 +1,10 @@
-"""The storage node's service: its operations and what callers can read.
+"""The storage node's service: every operation callers may ask for, in one place.
 
-``StorageService`` is what the gRPC API (``backend/api.py``) and the start-up
-reconciliation call.  How an operation starts and ends (locks, the recorded
-intent, the journal) is ``backend/operation.py``; the operations are
-``volume_ops.py``, ``snapshot_ops.py`` and ``publication_ops.py``.
+``StorageService`` builds the shared context (catalog, pool, exporter,
+configuration, locks) and one object per concern over it: volumes,
+snapshots, publications, the quarantine.  Its methods are what the gRPC API
+serves; each hands the call to the object that owns it.  The node's own
+state (capacity, health) is answered here.
 
 Methods are synchronous and thread-safe: the gRPC server calls them from its
 worker threads.
@@ -11,48 +12,103 @@ worker threads.
 
 from __future__ import annotations
 
-from backend import quarantine, validation
-from backend.adoption_ops import AdoptionOperations
-from backend.catalog.db import list_snapshots, list_volumes
-from backend.catalog.models import Snapshot
-from backend.publication_ops import PublicationOperations
-from backend.snapshot_ops import SnapshotOperations
+from backend import quarantine
+from backend.adoption_ops import Adoption
+from backend.catalog.db import Catalog
+from backend.exporting import Exporter, Exports
+from backend.operation import ServiceConfig, ServiceContext
+from backend.pool import Pool
+from backend.publication_ops import Publications
+from backend.quarantine import Orphan
+from backend.snapshot_ops import Snapshots
 from backend.views import (
     CapacityInfo,
     HealthInfo,
+    NbdTargetInfo,
+    NfsTargetInfo,
     SnapshotInfo,
     VolumeInfo,
     capacity_info,
     low_space_problem,
-    snapshot_info,
-    volume_info,
 )
-from backend.volume_ops import VolumeOperations
+from backend.volume_ops import Volumes
 
 VERSION = "0.1.0"
-DEFAULT_PAGE = 100
-MAX_PAGE = 1000
 
 
-class StorageService(
-    VolumeOperations, SnapshotOperations, PublicationOperations, AdoptionOperations
-):
+class StorageService:
     """Every operation of the storage node, and the views of its catalog."""
 
-    @staticmethod
-    def _page(max_entries: int, token: str) -> tuple[int, str | None]:
-        limit = min(max_entries or DEFAULT_PAGE, MAX_PAGE)
-        after = validation.object_id(token, "starting token") if token else None
-        return limit, after
+    def __init__(
+        self, catalog: Catalog, pool: Pool, exporter: Exporter, config: ServiceConfig
+    ) -> None:
+        self.context = ServiceContext(catalog, pool, exporter, config)
+        self.volumes = Volumes(self.context)
+        self.snapshots = Snapshots(self.context)
+        self.publications = Publications(self.context)
+        self.adoption = Adoption(self.context, self.volumes)
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.context.catalog
+
+    @property
+    def pool(self) -> Pool:
+        return self.context.pool
+
+    @property
+    def exporter(self) -> Exporter:
+        return self.context.exporter
+
+    @property
+    def exports(self) -> Exports:
+        return self.context.exports
+
+    @property
+    def config(self) -> ServiceConfig:
+        return self.context.config
+
+    # volumes
+
+    def create_volume(
+        self,
+        name: str,
+        kind: str,
+        size: int,
+        parameters: dict[str, str] | None = None,
+        source_snapshot_id: str | None = None,
+        source_volume_id: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> VolumeInfo:
+        return self.volumes.create_volume(
+            name, kind, size, parameters, source_snapshot_id, source_volume_id, labels
+        )
+
+    def delete_volume(self, volume_id: str) -> None:
+        self.volumes.delete_volume(volume_id)
+
+    def expand_volume(self, volume_id: str, size: int) -> VolumeInfo:
+        return self.volumes.expand_volume(volume_id, size)
+
+    def set_volume_group(self, volume_id: str, gid: int) -> VolumeInfo:
+        return self.volumes.set_volume_group(volume_id, gid)
+
+    def modify_volume(self, volume_id: str, parameters: dict[str, str]) -> VolumeInfo:
+        return self.volumes.modify_volume(volume_id, parameters)
+
+    def get_volume(self, volume_id: str | None = None, name: str | None = None) -> VolumeInfo:
+        return self.volumes.get_volume(volume_id, name)
 
     def list_volumes(self, max_entries: int = 0, token: str = "") -> tuple[list[VolumeInfo], str]:
-        limit, after = self._page(max_entries, token)
-        with self.catalog.session() as s:
-            rows = list_volumes(s, after, limit + 1)
-            more = len(rows) > limit
-            rows = rows[:limit]
-            infos = [volume_info(s, v, self.pool) for v in rows]
-        return infos, (rows[-1].id if more and rows else "")
+        return self.volumes.list_volumes(max_entries, token)
+
+    # snapshots
+
+    def create_snapshot(self, name: str, source_volume_id: str) -> SnapshotInfo:
+        return self.snapshots.create_snapshot(name, source_volume_id)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self.snapshots.delete_snapshot(snapshot_id)
 
     def list_snapshots(
         self,
@@ -61,20 +117,41 @@ class StorageService(
         source_volume_id: str | None = None,
         snapshot_id: str | None = None,
     ) -> tuple[list[SnapshotInfo], str]:
-        limit, after = self._page(max_entries, token)
-        with self.catalog.session() as s:
-            if snapshot_id is not None:
-                snap = s.get(Snapshot, validation.object_id(snapshot_id, "snapshot id"))
-                return ([snapshot_info(snap)] if snap else []), ""
-            if source_volume_id is not None:
-                validation.object_id(source_volume_id, "source volume id")
-            rows = list_snapshots(s, after, limit + 1, source_volume_id=source_volume_id)
-            more = len(rows) > limit
-            rows = rows[:limit]
-            return [snapshot_info(x) for x in rows], (rows[-1].id if more and rows else "")
+        return self.snapshots.list_snapshots(max_entries, token, source_volume_id, snapshot_id)
+
+    # publications
+
+    def publish_volume(
+        self,
+        volume_id: str,
+        node_id: str,
+        node_address: str,
+        read_only: bool,
+        multi_writer: bool = False,
+        single_node: bool = False,
+    ) -> NfsTargetInfo | NbdTargetInfo:
+        return self.publications.publish_volume(
+            volume_id, node_id, node_address, read_only, multi_writer, single_node
+        )
+
+    def unpublish_volume(self, volume_id: str, node_id: str) -> None:
+        self.publications.unpublish_volume(volume_id, node_id)
+
+    # the quarantine
+
+    def list_orphans(self) -> list[Orphan]:
+        return self.adoption.list_orphans()
+
+    def adopt_volume(self, orphan: str, name: str, kind: str = "") -> VolumeInfo:
+        return self.adoption.adopt_volume(orphan, name, kind)
+
+    def purge_orphan(self, name: str) -> Orphan:
+        return self.adoption.purge_orphan(name)
+
+    # the node
 
     def capacity(self) -> CapacityInfo:
-        with self.catalog.session() as s:
+        with self.catalog.read_session() as s:
             return capacity_info(s, self.pool, self.config.overcommit_ratio)
 
     def health(self) -> HealthInfo:

@@ -1,4 +1,4 @@
-"""The storage node's snapshot operations: take one of a volume, delete one."""
+"""The storage node's snapshots: take one of a volume, delete one, list them."""
 
 from __future__ import annotations
 
@@ -7,17 +7,43 @@ import logging
 from sqlalchemy.orm import Session
 
 from backend import validation
-from backend.catalog.db import get_snapshot_by_name, record_operation
+from backend.catalog.db import get_snapshot_by_name, list_snapshots, record_operation
 from backend.catalog.models import OperationKind, Snapshot, SnapshotState, Volume, VolumeState
 from backend.errors import AlreadyExists, FailedPrecondition, NotFound
 from backend.failpoints import failpoint
-from backend.operation import Intent, Operations, new_id
-from backend.views import SnapshotInfo, snapshot_info
+from backend.operation import Intent, ServiceContext, close_journal, new_id
+from backend.views import SnapshotInfo, page, snapshot_info
 
 log = logging.getLogger("moorage.backend")
 
 
-class SnapshotOperations(Operations):
+class Snapshots:
+    """Every operation on snapshots, over the service's shared context."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def list_snapshots(
+        self,
+        max_entries: int = 0,
+        token: str = "",
+        source_volume_id: str | None = None,
+        snapshot_id: str | None = None,
+    ) -> tuple[list[SnapshotInfo], str]:
+        """A page of snapshots by id (only one volume's with ``source_volume_id``;
+        only that one with ``snapshot_id``), and the token of the next page."""
+        limit, after = page(max_entries, token)
+        with self.ctx.catalog.read_session() as s:
+            if snapshot_id is not None:
+                snap = s.get(Snapshot, validation.object_id(snapshot_id, "snapshot id"))
+                return ([snapshot_info(snap)] if snap else []), ""
+            if source_volume_id is not None:
+                validation.object_id(source_volume_id, "source volume id")
+            rows = list_snapshots(s, after, limit + 1, source_volume_id=source_volume_id)
+            more = len(rows) > limit
+            rows = rows[:limit]
+            return [snapshot_info(x) for x in rows], (rows[-1].id if more and rows else "")
+
     def create_snapshot(self, name: str, source_volume_id: str) -> SnapshotInfo:
         name = validation.volume_name(name, "snapshot name")
         src = validation.object_id(source_volume_id, "source volume id")
@@ -53,14 +79,14 @@ class SnapshotOperations(Operations):
             record_operation(s, OperationKind.CREATE_SNAPSHOT, snap_id, {"source": src})
             return Intent(snap_id, lambda: self.finish_snapshot(snap_id))
 
-        snap_id = self._operation([f"snap:{name}", src], decide, failpoint_at="snapshot.intent")
-        with self.catalog.session() as s:
+        snap_id = self.ctx.operation([f"snap:{name}", src], decide, failpoint_at="snapshot.intent")
+        with self.ctx.catalog.read_session() as s:
             snap = s.get(Snapshot, snap_id)
             assert snap is not None
             return snapshot_info(snap)
 
     def finish_snapshot(self, snap_id: str) -> None:
-        with self.catalog.session() as s:
+        with self.ctx.catalog.read_session() as s:
             snap = s.get(Snapshot, snap_id)
             if snap is None:
                 return
@@ -70,21 +96,21 @@ class SnapshotOperations(Operations):
         try:
             if not source_exists:
                 raise NotFound(f"source volume {src} of snapshot {snap_id} is gone")
-            self.pool.snapshot(src, snap_id, fs)
+            self.ctx.pool.snapshot(src, snap_id, fs)
         except BaseException as e:
-            self.pool.delete_snapshot(snap_id)
-            with self.catalog.session() as s:
+            self.ctx.pool.delete_snapshot(snap_id)
+            with self.ctx.catalog.session() as s:
                 snap = s.get(Snapshot, snap_id)
                 if snap is not None:
                     s.delete(snap)
-                self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT, error=str(e))
+                close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT, error=str(e))
             raise
         failpoint("snapshot.files")
-        with self.catalog.session() as s:
+        with self.ctx.catalog.session() as s:
             snap = s.get(Snapshot, snap_id)
             if snap is not None:
                 snap.state = SnapshotState.READY
-            self._close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT)
+            close_journal(s, snap_id, OperationKind.CREATE_SNAPSHOT)
         log.info("snapshot %s of volume %s ready", snap_id, src)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
@@ -99,13 +125,13 @@ class SnapshotOperations(Operations):
                 record_operation(s, OperationKind.DELETE_SNAPSHOT, snap_id)
             return Intent(None, lambda: self.finish_delete_snapshot(snap_id))
 
-        self._operation([snap_id], decide, failpoint_at="delete_snapshot.intent")
+        self.ctx.operation([snap_id], decide, failpoint_at="delete_snapshot.intent")
 
     def finish_delete_snapshot(self, snap_id: str) -> None:
-        self.pool.delete_snapshot(snap_id)
+        self.ctx.pool.delete_snapshot(snap_id)
         failpoint("delete_snapshot.files")
-        with self.catalog.session() as s:
+        with self.ctx.catalog.session() as s:
             snap = s.get(Snapshot, snap_id)
             if snap is not None:
                 s.delete(snap)
-            self._close_journal(s, snap_id, OperationKind.DELETE_SNAPSHOT)
+            close_journal(s, snap_id, OperationKind.DELETE_SNAPSHOT)

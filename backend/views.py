@@ -1,17 +1,19 @@
 """What callers of the storage service see: frozen records made from catalog rows.
 
-The gRPC API (``backend/api.py``) turns these into protobuf messages; nothing
-here changes the catalog.
+The gRPC API turns these into protobuf messages; nothing here changes the
+catalog.  A view is made inside a catalog session; what the pool must be
+asked (the bytes a volume uses) is added after it, outside any session.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from backend import validation
 from backend.catalog.db import publications_of
 from backend.catalog.models import (
     Operation,
@@ -27,6 +29,9 @@ from backend.errors import BackendError
 from backend.pool import Pool
 
 log = logging.getLogger("moorage.backend")
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
 
 
 @dataclass(frozen=True)
@@ -111,21 +116,15 @@ def _unix(row: Volume | Snapshot) -> int:
     return int(row.created_at.timestamp())
 
 
-def volume_info(s: Session, v: Volume, pool: Pool, used: bool = True) -> VolumeInfo:
-    """``v`` as callers see it; ``used``: ask the pool how much of it is written."""
+def volume_info(s: Session, v: Volume) -> VolumeInfo:
+    """``v`` as the catalog records it; the bytes in use are ``with_used_bytes``'s."""
     pubs = publications_of(s, v.id)
-    used_bytes = 0
-    if used and v.state == VolumeState.READY:
-        try:
-            used_bytes = pool.used_bytes(v.id, v.type.value)
-        except (OSError, BackendError) as e:
-            log.warning("used bytes of volume %s: %s", v.id, e)
     return VolumeInfo(
         id=v.id,
         name=v.name,
         type=v.type.value,
         size_bytes=v.size_bytes,
-        used_bytes=used_bytes,
+        used_bytes=0,
         fs_type=v.fs_type.value if v.fs_type else None,
         squash=v.squash if v.type == VolumeType.NFS else None,
         source_snapshot_id=v.source_snapshot_id,
@@ -140,6 +139,26 @@ def volume_info(s: Session, v: Volume, pool: Pool, used: bool = True) -> VolumeI
             for p in sorted(pubs, key=lambda p: p.node_id)
         ),
     )
+
+
+def with_used_bytes(info: VolumeInfo, pool: Pool) -> VolumeInfo:
+    """``info`` with how much of a ready volume is written, asked of the pool
+    (a stat or statvfs per volume: call it outside any catalog session)."""
+    if info.state != VolumeState.READY.value:
+        return info
+    try:
+        return replace(info, used_bytes=pool.used_bytes(info.id, info.type))
+    except (OSError, BackendError) as e:
+        log.warning("used bytes of volume %s: %s", info.id, e)
+        return info
+
+
+def page(max_entries: int, token: str) -> tuple[int, str | None]:
+    """A listing's page: how many entries (``max_entries``, 0 for the default,
+    at most ``MAX_PAGE``), and the id to list after (the caller's token)."""
+    limit = min(max_entries or DEFAULT_PAGE, MAX_PAGE)
+    after = validation.object_id(token, "starting token") if token else None
+    return limit, after
 
 
 def snapshot_info(snap: Snapshot) -> SnapshotInfo:

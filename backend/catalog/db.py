@@ -1,8 +1,10 @@
-"""The catalog database: engine, one session per unit of work, migrations.
+"""The catalog database: engines, one session per unit of work, migrations.
 
 SQLite under the data dir by default; any SQLAlchemy URL (PostgreSQL with
 psycopg) by option. Sessions are never shared across threads: each unit of
-work opens its own with ``Catalog.session()``.
+work opens its own, ``Catalog.session()`` to change the catalog (one writer
+at a time) or ``Catalog.read_session()`` to read it (a consistent snapshot,
+beside the writer, never waiting for it).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def _sqlite_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
         dbapi_connection.execute(pragma)
 
 
+def _sqlite_connect_read_only(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    _sqlite_connect(dbapi_connection, record)
+    # The database itself refuses a write in a read session.
+    dbapi_connection.execute("PRAGMA query_only=ON")
+
+
 def _sqlite_begin(connection: Connection) -> None:
     # IMMEDIATE takes the write lock up front, waiting up to busy_timeout for it.
     # A deferred transaction that reads and then writes fails at once with
@@ -77,25 +85,42 @@ def _sqlite_begin(connection: Connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _sqlite_begin_read(connection: Connection) -> None:
+    # Deferred: in WAL mode the first read takes a snapshot of the last commit
+    # and neither waits for the writer nor makes it wait.
+    connection.exec_driver_sql("BEGIN")
+
+
 class Catalog:
     """The catalog database at ``url``."""
 
     def __init__(self, url: str | URL) -> None:
         self.url: URL = make_url(url)
         self.engine: Engine = create_engine(self.url)
-        if self.url.get_backend_name() == "sqlite":
+        backend = self.url.get_backend_name()
+        if backend == "sqlite":
             event.listen(self.engine, "connect", _sqlite_connect)
             event.listen(self.engine, "begin", _sqlite_begin)
+            # Read sessions on connections of their own, made read-only.
+            self._read_engine = create_engine(self.url)
+            event.listen(self._read_engine, "connect", _sqlite_connect_read_only)
+            event.listen(self._read_engine, "begin", _sqlite_begin_read)
+        elif backend == "postgresql":
+            # One snapshot for the whole read, and the server refuses writes in it.
+            self._read_engine = self.engine.execution_options(
+                isolation_level="REPEATABLE READ", postgresql_readonly=True
+            )
+        else:
+            self._read_engine = self.engine
         # Objects stay readable after their session commits and closes.
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # SQLite has one writer at a time and every session here begins
+        self._read_sessions = sessionmaker(self._read_engine, expire_on_commit=False)
+        # SQLite has one writer at a time and every write session begins
         # IMMEDIATE; threads waiting in SQLite's busy handler poll with
         # sleeps, so queue them on a lock instead, which wakes the next one
-        # as soon as the previous commits.
+        # as soon as the previous commits.  Read sessions take no part.
         self._serial: contextlib.AbstractContextManager[object] = (
-            threading.Lock()
-            if self.url.get_backend_name() == "sqlite"
-            else contextlib.nullcontext()
+            threading.Lock() if backend == "sqlite" else contextlib.nullcontext()
         )
 
     @classmethod
@@ -111,8 +136,17 @@ class Catalog:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        """One unit of work: commits when the block ends, rolls back if it raises."""
+        """One unit of work that changes the catalog: one writer at a time;
+        commits when the block ends, rolls back if it raises."""
         with self._serial, self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read_session(self) -> Iterator[Session]:
+        """One unit of work that only reads: a snapshot of the last commit,
+        taken beside a writer without waiting for it.  SQLite and PostgreSQL
+        refuse a write in it."""
+        with self._read_sessions() as session, session.begin():
             yield session
 
     def migrate(self) -> None:
@@ -133,6 +167,7 @@ class Catalog:
     def dispose(self) -> None:
         """Close every pooled connection."""
         self.engine.dispose()
+        self._read_engine.dispose()
 
     def __repr__(self) -> str:
         return f"Catalog({self.url.render_as_string(hide_password=True)!r})"

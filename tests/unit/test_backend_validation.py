@@ -17,10 +17,11 @@ import pytest
 from sqlalchemy import URL, select
 
 from backend import validation
-from backend.catalog.db import Catalog
+from backend.catalog.db import Catalog, record_operation
 from backend.catalog.models import (
     FsType,
     Operation,
+    OperationKind,
     Publication,
     PublicationState,
     Volume,
@@ -29,7 +30,9 @@ from backend.catalog.models import (
 )
 from backend.errors import InvalidArgument, Unavailable
 from backend.ganesha.config import ExportConfig, client_address
+from backend.ganesha.files import GaneshaFiles
 from backend.operation import ServiceConfig
+from backend.reconcile import reconcile
 from backend.service import StorageService
 from csi.config import ConfigError
 from csi.config import node_address as csi_node_address
@@ -269,6 +272,20 @@ def rows(service: StorageService) -> tuple[list[tuple[str, str, str]], list[str]
     return pubs, ops
 
 
+def row(
+    vol_id: str, node: str, address: str, state: PublicationState, read_only: bool = False
+) -> Publication:
+    """A publication row as the catalog holds it (one an older version wrote, say)."""
+    return Publication(
+        volume_id=vol_id,
+        node_id=node,
+        node_address=address,
+        read_only=read_only,
+        multi_writer=False,
+        state=state,
+    )
+
+
 def test_a_publish_refused_by_any_layer_is_refused_before_it_is_recorded(
     service: StorageService,
 ) -> None:
@@ -308,16 +325,7 @@ def test_a_legacy_row_is_left_out_of_the_exports_and_can_be_unpublished(
 ) -> None:
     with service.catalog.session() as s:
         for vol_id, node, address in ((NFS_ID, "old", "0.0.0.0"), (NBD_ID, "nodeb\n", "10.0.0.9")):
-            s.add(
-                Publication(
-                    volume_id=vol_id,
-                    node_id=node,
-                    node_address=address,
-                    read_only=True,
-                    multi_writer=False,
-                    state=PublicationState.PUBLISHED,
-                )
-            )
+            s.add(row(vol_id, node, address, PublicationState.PUBLISHED, read_only=True))
     exporter = cast(MagicMock, service.exporter)
     # another node's publish renders the exports without the legacy rows
     service.publish_volume(NFS_ID, "n1", "10.0.0.1", read_only=False)
@@ -332,3 +340,39 @@ def test_a_legacy_row_is_left_out_of_the_exports_and_can_be_unpublished(
     service.unpublish_volume(NFS_ID, "old")
     pubs, _ = rows(service)
     assert sorted(pubs) == [(NBD_ID, "n1", "published"), (NFS_ID, "n1", "published")]
+
+
+def test_the_start_finishes_an_interrupted_publish_as_publish_does(
+    service: StorageService, tmp_path: Path
+) -> None:
+    """Publishes whose intent was recorded before a crash: the start-up
+    reconciliation finishes each with publish's own step (its exports applied,
+    its row published, its own journal entry closed), and withdraws the one a
+    legacy row can never be exported for."""
+    with service.catalog.session() as s:
+        for vol_id, node, address in (
+            (NBD_ID, "n1", "10.0.0.1"),
+            (NFS_ID, "n2", "10.0.0.2"),
+            (NFS_ID, "legacy", "0.0.0.0"),
+        ):
+            s.add(row(vol_id, node, address, PublicationState.PUBLISHING))
+            record_operation(s, OperationKind.PUBLISH, vol_id, {"node": node})
+    pool = cast(MagicMock, service.pool)
+    pool.remove_partial_files.return_value = []
+    pool.list_mounts.return_value = set()
+    pool.list_volume_images.return_value = {NBD_ID, NFS_ID}
+    pool.list_snapshot_images.return_value = set()
+    pool.is_mounted.return_value = True
+
+    repairs = reconcile(service, GaneshaFiles(tmp_path / "ganesha"))
+
+    pubs, ops = rows(service)
+    assert sorted(pubs) == [(NBD_ID, "n1", "published"), (NFS_ID, "n2", "published")]
+    assert ops == ["done", "done", "failed"]  # each entry closed for its own node
+    assert f"finished interrupted publish of {NFS_ID}" in repairs
+    withdrawn = f"rolled back interrupted publish of {NFS_ID}: publication to 'legacy' withdrawn"
+    assert any(line.startswith(withdrawn) for line in repairs), repairs
+    exporter = cast(MagicMock, service.exporter)
+    assert {c.args[0].name for c in exporter.add_nbd_export.call_args_list} == {f"{NBD_ID}@n1"}
+    config = exporter.set_nfs_export.call_args.args[0]
+    assert (config.clients, config.ro_clients) == (("10.0.0.2",), ())

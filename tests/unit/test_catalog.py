@@ -20,7 +20,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import URL, delete, func, inspect, select, text
-from sqlalchemy.exc import IntegrityError, StatementError
+from sqlalchemy.exc import DBAPIError, IntegrityError, StatementError
 
 import backend.catalog.migrations.versions as revisions
 from backend.catalog.db import (
@@ -344,6 +344,55 @@ class CatalogBehaviour:
         with catalog.session() as session:
             names = set(session.scalars(select(Volume.name)))
         assert names == {f"pvc-{w}-{i}" for w in range(threads) for i in range(per_thread)}
+
+    def test_a_read_does_not_wait_for_a_writer_and_sees_the_last_commit(
+        self, catalog: Catalog
+    ) -> None:
+        with catalog.session() as session:
+            session.add(make_volume("pvc-committed"))
+        writing, finish = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+        seen: list[str] = []
+
+        def write() -> None:
+            try:
+                with catalog.session() as session:
+                    session.add(make_volume("pvc-in-flight"))
+                    session.flush()  # written, and the write transaction held open
+                    writing.set()
+                    finish.wait(timeout=60)
+            except BaseException as e:
+                errors.append(e)
+                writing.set()
+
+        def read() -> None:
+            try:
+                with catalog.read_session() as session:
+                    seen.extend(session.scalars(select(Volume.name)))
+            except BaseException as e:
+                errors.append(e)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            assert writing.wait(timeout=30)
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(timeout=30)  # failure detection only: a read waits for nothing
+            assert not reader.is_alive(), "the read waited for the write session"
+        finally:
+            finish.set()
+            writer.join(timeout=60)
+        assert errors == []
+        assert seen == ["pvc-committed"]
+        with catalog.read_session() as session:
+            assert set(session.scalars(select(Volume.name))) == {"pvc-committed", "pvc-in-flight"}
+
+    def test_a_read_session_cannot_write(self, catalog: Catalog) -> None:
+        with pytest.raises(DBAPIError), catalog.read_session() as session:
+            session.add(make_volume("pvc-1"))
+        with catalog.read_session() as session:
+            assert get_volume_by_name(session, "pvc-1") is None
 
     # pool identity (backend/poolidentity.py): on every catalog database
 
