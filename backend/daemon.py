@@ -82,7 +82,6 @@ class DaemonConfig:
     unmount_on_exit: bool = True
     # Start on a pool whose id the catalog does not hold (backend/poolidentity.py).
     claim_pool: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def pool(self) -> Path:

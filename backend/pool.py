@@ -443,20 +443,6 @@ class Pool:
         source = self._existing_image(src_vol_id)
         return self._clone(source, src_vol_id, vol_id, size, kind, fs_type)
 
-    def copy_file(self, src: Path, dst: Path) -> bool:
-        """Reflink or sparse-copy ``src`` to a new ``dst``; True if reflinked.
-
-        Written to a temp name and linked into place, so ``dst`` never exists
-        half-written; an existing ``dst`` is AlreadyExists.
-        """
-        temp = temp_for(dst)
-        try:
-            reflinked = copy_into(src, temp)
-            publish(temp, dst)
-        finally:
-            temp.unlink(missing_ok=True)
-        return reflinked
-
     # deletion
 
     def delete_volume(self, vol_id: str) -> None:

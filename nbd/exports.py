@@ -200,7 +200,3 @@ class ExportTable:
             (name, dataclasses.replace(e.runtime.stats), len(e.connections))
             for name, e in self._entries.items()
         ]
-
-    def connection_count(self, name: str) -> int:
-        entry = self._entries.get(name)
-        return len(entry.connections) if entry else 0

@@ -30,7 +30,6 @@ Transport = Literal["TCP", "UDP"]
 # ganesha is up, and an operator reading it needs the EVENT lines.
 LogLevel = Literal["EVENT", "INFO", "DEBUG", "MID_DEBUG", "FULL_DEBUG"]
 
-NFS_PROTOCOLS: Final = frozenset({3, 4})
 MAX_EXPORT_ID: Final = 65534  # 0 is the pseudo root ganesha builds itself
 MAX_PATH_LENGTH: Final = 1024
 _MAX_COMPONENT_LENGTH: Final = 255

@@ -3,9 +3,7 @@
 :class:`GaneshaSupervisor` is one long-lived trio task that owns a
 ``ganesha.nfsd -F`` child (and an ``rpcbind -f`` child when no rpcbind runs and
 NFSv3 needs one).  Ganesha's log goes to its stdout, which is read line by line
-into the ``moorage.ganesha`` logger (the children and their output:
-:mod:`backend.ganesha.children`; the port and RPC probes:
-:mod:`backend.ganesha.probes`).  Facts about ganesha 4.3 this relies on:
+into the ``moorage.ganesha`` logger.  Facts about ganesha 4.3 this relies on:
 
 - It is ready when an RPC NULL call to the NFS program on its port is answered
   (the sockets are bound a while before the service threads answer, and a
@@ -163,14 +161,6 @@ class GaneshaSupervisor:
     def restarts(self) -> int:
         """How many times ganesha was restarted after dying."""
         return self._restarts
-
-    @property
-    def rpcbind_pid(self) -> int | None:
-        """The pid of the rpcbind this supervisor started, if it started one."""
-        child = self._rpcbind
-        if child is None or child.process.returncode is not None:
-            return None
-        return child.pid
 
     def _notify(self) -> None:
         self._changed.set()
