@@ -19,12 +19,12 @@ from backend.catalog.db import get_volume_by_name, record_operation
 from backend.catalog.models import FsType, OperationKind, Volume, VolumeState, VolumeType
 from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from backend.filesystems import FS_TYPES
-from backend.imagefiles import fsync_path
 from backend.operation import Intent, Operations, new_id
 from backend.pool import EXPORT_DIR_MODE
 from backend.quarantine import Orphan
 from backend.views import VolumeInfo, volume_info
 from backend.volume_ops import VolumeOperations
+from hostio.atomicfile import fsync_directory
 
 log = logging.getLogger("moorage.backend.adopt")
 
@@ -111,8 +111,8 @@ class AdoptionOperations(Operations):
                     os.link(source, image)  # never replaces: fails if the name is taken
                 if os.stat(source).st_ino == os.stat(image).st_ino:
                     source.unlink()
-                fsync_path(image.parent)
-                fsync_path(source.parent)
+                fsync_directory(image.parent)
+                fsync_directory(source.parent)
             os.chmod(image, 0o600)
             if vtype == VolumeType.NFS:
                 assert fs is not None

@@ -65,13 +65,13 @@ from backend.imagefiles import (
     allocate,
     copy_into,
     data_bytes,
-    fsync_path,
     make_sparse_file,
     publish,
     temp_for,
 )
 from backend.loopdevices import detach_loops, loop_devices
 from backend.mounts import mount_loop, mount_table, mounts_under, unmount
+from hostio.atomicfile import fsync_directory, fsync_path
 
 log = logging.getLogger("moorage.backend.pool")
 
@@ -462,7 +462,7 @@ class Pool:
             raise FailedPrecondition(f"something is still mounted under {mount_point}")
         shutil.rmtree(mount_point, ignore_errors=True)
         if self.volumes_dir.is_dir():
-            fsync_path(self.volumes_dir)
+            fsync_directory(self.volumes_dir)
 
     def remove_mount_dir(self, vol_id: str) -> None:
         """Remove a volume's (unmounted) mount dir; a no-op when gone.
@@ -629,7 +629,7 @@ class Pool:
         if not export.is_dir():
             export.mkdir()
             os.chmod(export, EXPORT_DIR_MODE)  # mkdir's mode is cut by the umask
-            fsync_path(export.parent)
+            fsync_directory(export.parent)
         return export
 
     def _usable_bytes(self, vol_id: str) -> int:

@@ -28,6 +28,7 @@ from urllib.parse import quote
 from csi import attach, mounts, parameters
 from csi.errors import FailedPrecondition, Internal, InvalidArgument
 from csi.kubeletpaths import same_mount
+from hostio.addresses import HostPort
 
 log = logging.getLogger("moorage.csi.node")
 
@@ -55,8 +56,7 @@ def nbd_uri(context: Mapping[str, str]) -> str:
     if not host or not 0 < port < 65536 or not name:
         raise InvalidArgument("publish_context of an nbd volume has an empty host or export")
     scheme = "nbds" if context.get("tls") == "true" else "nbd"
-    shown = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{shown}:{port}/{quote(name, safe='@:+.-_')}"
+    return f"{scheme}://{HostPort(host, port)}/{quote(name, safe='@:+.-_')}"
 
 
 def check_options(flags: Sequence[str]) -> tuple[str, ...]:
