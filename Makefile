@@ -59,7 +59,7 @@ export MOORAGE_CNI_BIN := /usr/lib/cni
 # The container image, kept outside the tree and named by a digest of what
 # goes into it, so it is rebuilt only when that changes.
 IMAGE_REF := moorage:0.1.0
-IMAGE_INPUTS := $(shell git ls-files -s nbd fuse backend csi moorage pyproject.toml deploy/image 2>/dev/null | sha256sum | cut -c1-16)
+IMAGE_INPUTS := $(shell git ls-files -s hostio nbd fuse backend csi moorage pyproject.toml deploy/image 2>/dev/null | sha256sum | cut -c1-16)
 IMAGE := $(HOME)/.cache/moorage/image/moorage-$(IMAGE_INPUTS).tar
 export MOORAGE_IMAGE := $(IMAGE)
 export MOORAGE_IMAGE_REF := $(IMAGE_REF)

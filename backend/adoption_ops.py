@@ -19,11 +19,11 @@ from backend.catalog.db import get_volume_by_name, record_operation
 from backend.catalog.models import FsType, OperationKind, Volume, VolumeState, VolumeType
 from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from backend.filesystems import FS_TYPES
-from backend.imagefiles import fsync_path
 from backend.operation import Intent, ServiceContext, close_journal, new_id
 from backend.quarantine import Orphan
 from backend.views import VolumeInfo
 from backend.volume_ops import Volumes, next_export_id
+from hostio.atomicfile import fsync_directory
 
 log = logging.getLogger("moorage.backend.adopt")
 
@@ -113,8 +113,8 @@ class Adoption:
                     os.link(source, image)  # never replaces: fails if the name is taken
                 if os.stat(source).st_ino == os.stat(image).st_ino:
                     source.unlink()
-                fsync_path(image.parent)
-                fsync_path(source.parent)
+                fsync_directory(image.parent)
+                fsync_directory(source.parent)
             os.chmod(image, 0o600)
             if vtype == VolumeType.NFS:
                 assert fs is not None

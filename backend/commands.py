@@ -1,26 +1,22 @@
-"""Running external tools: argv lists, timeouts, stderr in the error."""
+"""Running external tools on the storage node, their failures as :class:`CommandFailed`.
+
+The tools run through :func:`hostio.tools.run` (an argv list, a timeout, the
+C locale, so the English words callers look for in stderr are there).
+"""
 
 from __future__ import annotations
 
-import logging
-import subprocess
-
 from backend.errors import CommandFailed
+from hostio import tools
 
-log = logging.getLogger("moorage.backend")
+# What CommandFailed.returncode says of a tool that did not run or did not finish.
+NOT_FINISHED = -1
 
 
 def run(argv: list[str], timeout: float = 120, input: bytes | None = None) -> str:
     """Run a tool; return its stdout; raise CommandFailed with its stderr."""
-    log.debug("run %s", argv)
     try:
-        result = subprocess.run(
-            argv, capture_output=True, timeout=timeout, input=input, check=False
-        )
-    except subprocess.TimeoutExpired as e:
-        raise CommandFailed(argv, -1, f"timed out after {timeout}s") from e
-    except FileNotFoundError as e:
-        raise CommandFailed(argv, 127, f"{argv[0]} not found") from e
-    if result.returncode != 0:
-        raise CommandFailed(argv, result.returncode, result.stderr.decode(errors="replace"))
-    return result.stdout.decode(errors="replace")
+        return tools.run(argv, timeout=timeout, input=input).stdout
+    except tools.ToolError as e:
+        code = NOT_FINISHED if e.returncode is None else e.returncode
+        raise CommandFailed(argv, code, e.stderr) from e

@@ -34,6 +34,7 @@ from backend.poolinit import ensure_pool_mounted
 from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.reconcile import reconcile
 from backend.service import StorageService
+from hostio.addresses import HostPort, HostPortError, parse_host_port
 from nbd.exports import Export, ExportTable
 from nbd.server import NBDServer, ServerConfig, open_tcp_listeners
 from nbd.tls import server_context
@@ -97,11 +98,40 @@ class DaemonConfig:
         return self.api_addresses[0]
 
 
-def split_host_port(spec: str, what: str) -> tuple[str, int]:
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgument(f"{what}: expected HOST:PORT, got {spec!r}")
-    return host.strip("[]"), int(port)
+def split_host_port(
+    spec: str, what: str, *, allow_zero: bool = False, allow_empty_host: bool = False
+) -> HostPort:
+    """``spec`` by the one HOST:PORT rule (``hostio.addresses``), else InvalidArgument."""
+    try:
+        return parse_host_port(spec, what, allow_zero=allow_zero, allow_empty_host=allow_empty_host)
+    except HostPortError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+@dataclass(frozen=True)
+class TcpAddresses:
+    """The daemon's TCP addresses besides the API's, checked before anything starts."""
+
+    nbd_listen: HostPort  # port 0: any free port, advertised as bound
+    nbd_advertise: HostPort | None
+    metrics_listen: HostPort | None
+
+
+def tcp_addresses(config: DaemonConfig) -> TcpAddresses:
+    """Every HOST:PORT of ``config`` but the API's, checked; InvalidArgument naming the flag."""
+    return TcpAddresses(
+        nbd_listen=split_host_port(
+            config.nbd_listen, "--nbd-listen", allow_zero=True, allow_empty_host=True
+        ),
+        nbd_advertise=split_host_port(config.nbd_advertise, "--nbd-advertise")
+        if config.nbd_advertise
+        else None,
+        metrics_listen=split_host_port(
+            config.metrics_listen, "--metrics-listen", allow_empty_host=True
+        )
+        if config.metrics_listen
+        else None,
+    )
 
 
 class DaemonExporter:
@@ -212,7 +242,7 @@ def check_api_access(config: DaemonConfig) -> None:
         read_token(config.token_file, refuse_shared=not config.allow_shared_token_file)
     for address in config.api_addresses:
         if not address.startswith("unix:"):
-            split_host_port(address, "--listen")
+            split_host_port(address, "--listen", allow_empty_host=True)
     if all(a.startswith("unix:") for a in config.api_addresses):
         return
     mutual_tls = bool(config.api_tls_cert and config.api_tls_key and config.api_client_ca)
@@ -225,6 +255,7 @@ async def run_daemon(
 ) -> None:
     """Run the storage node until SIGTERM/SIGINT or cancellation."""
     check_api_access(config)
+    addresses = tcp_addresses(config)
     data_dir = config.data_dir.absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
     await trio.to_thread.run_sync(ensure_pool_mounted, config.pool)
@@ -255,7 +286,7 @@ async def run_daemon(
         nbd_tls = server_context(config.nbd_tls_cert, config.nbd_tls_key)
     table = ExportTable()
     nbd = NBDServer(table, ServerConfig(tls_context=nbd_tls, tls_required=nbd_tls is not None))
-    nbd_host, nbd_port = split_host_port(config.nbd_listen, "--nbd-listen")
+    nbd_host, nbd_port = addresses.nbd_listen
     exporter = DaemonExporter(files, supervisor, table, nbd, trio.lowlevel.current_trio_token())
 
     async with trio.open_nursery() as nursery:
@@ -265,10 +296,9 @@ async def run_daemon(
         # the FUSE block file takes as final (I/O fails at once).
         listeners = await open_tcp_listeners(nbd_host, nbd_port)
         bound_port = listeners[0].socket.getsockname()[1]
-        adv_host, adv_port = (
-            split_host_port(config.nbd_advertise, "--nbd-advertise")
-            if config.nbd_advertise
-            else (nbd_host if nbd_host not in ("", "0.0.0.0", "::") else "127.0.0.1", bound_port)
+        adv_host, adv_port = addresses.nbd_advertise or (
+            nbd_host if nbd_host not in ("", "0.0.0.0", "::") else "127.0.0.1",
+            bound_port,
         )
         service = StorageService(
             catalog,
@@ -296,11 +326,10 @@ async def run_daemon(
                 await supervisor.run(task_status=task_status)
 
         await nursery.start(run_ganesha)
-        if config.metrics_listen:
+        if addresses.metrics_listen is not None:
             token = trio.lowlevel.current_trio_token()
-            split_host_port(config.metrics_listen, "--metrics-listen")
             serve_metrics(
-                config.metrics_listen,
+                addresses.metrics_listen,
                 StorageNodeCollector(
                     service,
                     lambda: trio.from_thread.run_sync(table.stats, trio_token=token),

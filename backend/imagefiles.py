@@ -22,6 +22,7 @@ import secrets
 from pathlib import Path
 
 from backend.errors import AlreadyExists, ResourceExhausted
+from hostio.atomicfile import fsync_directory, fsync_path
 
 MiB = 1 << 20
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
@@ -73,15 +74,6 @@ def temp_for(final: Path) -> Path:
     return final.with_name(f".{final.name}{TEMP_MARK}{secrets.token_hex(4)}")
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by its path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(temp: Path, final: Path) -> None:
     """Give a complete temp file its final name, never replacing an existing file."""
     fsync_path(temp)
@@ -91,7 +83,7 @@ def publish(temp: Path, final: Path) -> None:
         raise AlreadyExists(f"{final} already exists") from e
     finally:
         temp.unlink(missing_ok=True)
-    fsync_path(final.parent)
+    fsync_directory(final.parent)
 
 
 def make_sparse_file(path: Path, size: int, mode: int) -> None:

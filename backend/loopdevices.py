@@ -10,7 +10,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import re
 import stat
 import struct
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from backend.commands import run
 from backend.errors import CommandFailed, FailedPrecondition
+from hostio.mountinfo import read_mountinfo
 
 log = logging.getLogger("moorage.backend.pool")
 
@@ -173,11 +173,6 @@ def _describe(holders: list[str]) -> str:
     return "held by " + ", ".join(holders)
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo field, its octal escapes (``\\040`` for a space) undone."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
-
-
 def loop_holders(device: str) -> list[str]:
     """What holds ``device`` open: stacked devices (sysfs ``holders``), mounts of it
     in any mount namespace, and processes with it open (``/proc/*/fd``).
@@ -209,7 +204,7 @@ def loop_holders(device: str) -> list[str]:
         if namespace and namespace not in namespaces:
             namespaces.add(namespace)
             where = "" if namespace == own_namespace else f" (mount namespace of pid {proc.name})"
-            found += [f"mounted on {m}{where}" for m in _mounts_of(proc / "mountinfo", numbers)]
+            found += [f"mounted on {m}{where}" for m in _mounts_of(int(proc.name), major, minor)]
         try:
             fds = os.listdir(proc / "fd")
         except OSError:
@@ -233,11 +228,10 @@ def loop_holders(device: str) -> list[str]:
     return found + openers
 
 
-def _mounts_of(mountinfo: Path, numbers: str) -> list[str]:
-    """Mount points of the device MAJOR:MINOR in one mountinfo file."""
+def _mounts_of(pid: int, major: int, minor: int) -> list[str]:
+    """Mount points of device ``major:minor`` in process ``pid``'s mount namespace."""
     try:
-        lines = mountinfo.read_text().splitlines()
-    except OSError:
+        entries = read_mountinfo(pid)
+    except OSError:  # it has exited
         return []
-    fields = (line.split() for line in lines)
-    return [_unescape(f[4]) for f in fields if len(f) > 4 and f[2] == numbers]
+    return [e.mount_point for e in entries if (e.major, e.minor) == (major, minor)]

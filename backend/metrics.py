@@ -41,6 +41,7 @@ from backend import quarantine
 from backend.catalog.models import Volume
 from backend.service import StorageService
 from backend.views import low_space_problem
+from hostio.addresses import HostPort
 from nbd.exports import ExportStats
 
 log = logging.getLogger("moorage.backend.metrics")
@@ -173,12 +174,12 @@ class StorageNodeCollector(Collector):
         yield connections
 
 
-def serve_metrics(address: str, collector: StorageNodeCollector) -> None:
-    """Serve :data:`REGISTRY`, with ``collector`` in it, over HTTP on HOST:PORT."""
-    host, _, port = address.rpartition(":")
+def serve_metrics(listen: HostPort, collector: StorageNodeCollector) -> None:
+    """Serve :data:`REGISTRY`, with ``collector`` in it, over HTTP on ``listen``
+    (no host: every address)."""
     try:
-        start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=REGISTRY)
+        start_http_server(listen.port, addr=listen.host or "0.0.0.0", registry=REGISTRY)
     except OSError as e:
-        raise OSError(e.errno, f"cannot serve metrics on {address}: {e.strerror or e}") from e
+        raise OSError(e.errno, f"cannot serve metrics on {listen}: {e.strerror or e}") from e
     REGISTRY.register(collector)
-    log.info("metrics on http://%s/metrics", address)
+    log.info("metrics on http://%s/metrics", listen)

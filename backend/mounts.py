@@ -7,28 +7,18 @@ namespace as the kernel sees it, not what a mount helper remembers.
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 from backend.commands import run
 from backend.errors import CommandFailed, FailedPrecondition
+from hostio.mountinfo import read_mountinfo
 
 _TIMEOUT = 120.0
 
 
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def mount_table() -> dict[Path, str]:
     """Mount point -> mount source, from /proc/self/mountinfo (the topmost mount wins)."""
-    table: dict[Path, str] = {}
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            source = fields[fields.index("-", 6) + 2]
-            table[Path(_unescape(fields[4]))] = _unescape(source)
-    return table
+    return {Path(e.mount_point): e.source for e in read_mountinfo()}
 
 
 def mounts_under(path: Path) -> list[Path]:

@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,13 +60,14 @@ from backend.imagefiles import (
     allocate,
     copy_into,
     data_bytes,
-    fsync_path,
     make_sparse_file,
     publish,
     temp_for,
 )
 from backend.loopdevices import detach_loops, loop_devices
 from backend.mounts import mount_loop, mount_table, mounts_under, unmount
+from hostio.atomicfile import fsync_directory, fsync_path
+from hostio.ownership import give_to_group
 
 log = logging.getLogger("moorage.backend.pool")
 
@@ -177,26 +177,11 @@ class Pool:
         return self.mount_dir(vol_id) / "export"
 
     def give_export_to_group(self, vol_id: str, gid: int) -> bool:
-        """Give an nfs volume's files to group ``gid``: group owner, group
-        read/write, setgid directories (as kubelet does for a pod's fsGroup).
-        Nothing is done when the export's root already belongs to the group;
-        whether anything was done.
-
-        The export's contents are its clients': a link is never followed, and
-        every file is changed through a descriptor opened without following one
-        (``os.fwalk``, O_PATH|O_NOFOLLOW), so a link swapped in mid-walk cannot
-        lead outside the export."""
-        root = os.open(self.export_dir(vol_id), _NO_FOLLOW_DIR)
-        try:
-            if os.fstat(root).st_gid == gid:
-                return False
-            for _, dirs, files, dir_fd in os.fwalk(dir_fd=root, follow_symlinks=False):
-                for name in [*dirs, *files]:
-                    _give_to_group(dir_fd, name, gid)
-            _give_fd_to_group(root, gid)  # the root last: a walk cut short is done again
-        finally:
-            os.close(root)
-        return True
+        """Give an nfs volume's files to group ``gid`` (as kubelet does for a
+        pod's fsGroup); nothing is done when the export's root already belongs
+        to the group; whether anything was done.  The export's contents are
+        its clients': ``hostio.ownership`` never follows a link in it."""
+        return give_to_group(self.export_dir(vol_id), gid)
 
     # layout and probes
 
@@ -347,7 +332,7 @@ class Pool:
         if not export.is_dir():
             export.mkdir()
             os.chmod(export, EXPORT_DIR_MODE)  # mkdir's mode is cut by the umask
-            fsync_path(export.parent)
+            fsync_directory(export.parent)
         return export
 
     def unmount_fs_volume(self, vol_id: str) -> None:
@@ -454,7 +439,7 @@ class Pool:
             raise FailedPrecondition(f"something is still mounted under {mount_point}")
         shutil.rmtree(mount_point, ignore_errors=True)
         if self.volumes_dir.is_dir():
-            fsync_path(self.volumes_dir)
+            fsync_directory(self.volumes_dir)
 
     def remove_mount_dir(self, vol_id: str) -> None:
         """Remove a volume's (unmounted) mount dir; a no-op when gone.
@@ -648,30 +633,3 @@ def _refuse_discard(device: str | None) -> None:
 
 def _how(reflinked: bool) -> str:
     return "reflink" if reflinked else "sparse copy"
-
-
-_NO_FOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _give_to_group(dir_fd: int, name: str, gid: int) -> None:
-    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
-            os.chown(name, -1, gid, dir_fd=dir_fd, follow_symlinks=False)
-        else:
-            _give_fd_to_group(fd, gid)
-    finally:
-        os.close(fd)
-
-
-def _give_fd_to_group(fd: int, gid: int) -> None:
-    """Group owner, group read/write (and search and setgid for a directory) of
-    what ``fd`` (possibly O_PATH) holds; a device, socket or fifo only changes group."""
-    st = os.fstat(fd)
-    inode = f"/proc/self/fd/{fd}"  # the opened inode itself, whatever its name is now
-    os.chown(inode, -1, gid)
-    mode = stat.S_IMODE(st.st_mode) | stat.S_IRGRP | stat.S_IWGRP
-    if stat.S_ISDIR(st.st_mode):
-        os.chmod(inode, mode | stat.S_IXGRP | stat.S_ISGID)
-    elif stat.S_ISREG(st.st_mode):
-        os.chmod(inode, mode & ~stat.S_ISUID)  # (chown dropped set-ids; never add them)

@@ -25,7 +25,7 @@ from backend.catalog.db import Catalog
 from backend.catalog.models import PoolIdentity, Volume
 from backend.errors import FailedPrecondition
 from backend.pool import Pool
-from nbd.atomicfile import write_atomically
+from hostio.atomicfile import write_atomically
 
 log = logging.getLogger("moorage.backend.poolidentity")
 

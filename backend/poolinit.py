@@ -19,10 +19,9 @@ from pathlib import Path
 from backend.commands import run
 from backend.errors import FailedPrecondition, InvalidArgument, Unavailable
 from backend.filesystems import XFS_MIN_IMAGE, fs_type_of
-from backend.imagefiles import fsync_path
 from backend.loopdevices import detach_loops, loop_devices
 from backend.mounts import mount_table, mounts_under, unmount
-from nbd.atomicfile import write_atomically
+from hostio.atomicfile import fsync_directory, write_atomically
 
 log = logging.getLogger("moorage.backend.poolinit")
 
@@ -149,7 +148,7 @@ def _make_pool_image(image: Path, size: int) -> None:
         os.replace(temp, image)
     finally:
         temp.unlink(missing_ok=True)
-    fsync_path(image.parent)
+    fsync_directory(image.parent)
 
 
 def _write_record(pool_dir: Path, record: LoopPoolRecord) -> None:

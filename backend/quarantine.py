@@ -17,8 +17,8 @@ from pathlib import Path
 
 from backend.errors import InvalidArgument, NotFound
 from backend.filesystems import fs_type_of
-from backend.imagefiles import fsync_path
 from backend.pool import Pool
+from hostio.atomicfile import fsync_directory, unlink_durably
 
 log = logging.getLogger("moorage.backend.quarantine")
 
@@ -54,8 +54,8 @@ def quarantine(pool: Pool, source: Path, kind: str, original_id: str) -> Path:
         n += 1
     os.rename(source, target)  # same filesystem: atomic, and no data moves
     os.utime(target)  # mtime: when it was quarantined
-    fsync_path(target_dir)
-    fsync_path(source.parent)
+    fsync_directory(target_dir)
+    fsync_directory(source.parent)
     log.error(
         "%s image %s is not in the catalog: quarantined as %s (moorage pool orphans)",
         kind,
@@ -112,7 +112,6 @@ def purge(pool: Pool, name: str) -> Orphan:
     """Delete one quarantined image: the only way moorage removes one."""
     path = orphan_path(pool, name)
     info = next(o for o in list_orphans(pool) if o.name == name)
-    path.unlink()
-    fsync_path(path.parent)
+    unlink_durably(path)
     log.warning("quarantined image %s purged on request (%d bytes)", name, info.size_bytes)
     return info

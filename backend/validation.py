@@ -6,8 +6,8 @@ import re
 from collections.abc import Iterable
 
 from backend.errors import InvalidArgument
-from nbd.addresses import AddressError
-from nbd.addresses import node_address as _node_address
+from hostio.addresses import AddressError
+from hostio.addresses import node_address as _node_address
 
 MIB = 1024 * 1024
 MIN_SIZE = MIB
@@ -94,7 +94,7 @@ def node_id(value: str) -> str:
 
 def node_address(value: str) -> str:
     """One node's IP address, canonical; the rule ganesha's model and the NBD
-    export allow list apply too (``nbd/addresses.py``)."""
+    export allow list apply too (``hostio/addresses.py``)."""
     try:
         return _node_address(value)
     except AddressError as e:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbd.addresses import AddressError
-from nbd.addresses import node_address as check_node_address
+from hostio.addresses import AddressError, HostPortError, parse_host_port
+from hostio.addresses import node_address as check_node_address
 
 TOPOLOGY_PREFIX = "topology.csi.moorage.dev/"
 NODE_TOPOLOGY_KEY = TOPOLOGY_PREFIX + "node"
@@ -138,10 +138,10 @@ def _address(value: str, where: str) -> str:
         if not value[len(_UNIX) :].lstrip("/"):
             raise ConfigError(f"{where}: address {value!r} names no socket path")
         return value
-    host, colon, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{where}: address {value[:80]!r} is not HOST:PORT or unix:PATH")
+    try:
+        parse_host_port(value, "address")
+    except HostPortError as e:
+        raise ConfigError(f"{where}: {e}; or give unix:PATH") from None
     return value
 
 
@@ -214,7 +214,7 @@ def _node(table: object) -> NodeConfig:
 
 def node_address(value: str, where: str = "node address") -> str:
     """The address storage nodes see this node as: the rule the storage node
-    applies to it too (``nbd/addresses.py``), so a publication never fails on it."""
+    applies to it too (``hostio/addresses.py``), so a publication never fails on it."""
     try:
         return check_node_address(value, where)
     except AddressError as e:

@@ -4,7 +4,8 @@ A pod names the volume's attributes in its spec (``csi.volumeAttributes``):
 
 =================  =========================================================
 ``type``           ``nbd`` (default) or ``nfs``
-``size``           bytes, or with ``Ki``/``Mi``/``Gi``/``Ti`` (default 1Gi)
+``size``           a Kubernetes quantity of bytes: ``64Mi``, ``1Gi``, ``1G`` (10^9)
+                   (default 1Gi)
 ``fsType``         nbd: ``ext4`` (default) or ``xfs``
 ``nfsFsType``      nfs: the volume's own filesystem, ``xfs`` (default) or ``ext4``
 ``squash``, ``iopsLimit``, ``bandwidthLimit``   as in a StorageClass
@@ -24,7 +25,6 @@ kubelet calls again.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,12 +34,11 @@ from csi.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from csi.ids import NodeRef
 from csi.messages import BACKEND_TYPES, publish_context
 from csi.proto import csi_pb2 as pb
-from csi.requests import MIB, requested_size
+from csi.requests import requested_size
 from csi.storagenodes import StorageNodes
+from hostio.sizes import parse_size
 
 KEYS = ("type", "size", "fsType", "nfsFsType", "storageNode", *parameters.MUTABLE)
-_SIZE = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
-_UNITS = {None: 1, "Ki": 1 << 10, "Mi": MIB, "Gi": 1 << 30, "Ti": 1 << 40}
 KUBERNETES_PREFIX = "csi.storage.k8s.io/"
 
 
@@ -64,10 +63,14 @@ def parse(attributes: Mapping[str, str]) -> EphemeralSpec:
             f"unknown volume attribute {unknown[0][:80]!r} for an ephemeral volume; "
             f"known: {', '.join(KEYS)}"
         )
-    m = _SIZE.fullmatch(ours.get("size", "1Gi").strip())
-    if not m:
-        raise InvalidArgument(f"size {ours['size'][:40]!r} is not a number of bytes (Ki..Ti)")
-    size, _ = requested_size(pb.CapacityRange(required_bytes=int(m[1]) * _UNITS[m[2]]))
+    try:
+        wanted = parse_size(ours.get("size", "1Gi"), kubernetes=True)
+    except ValueError:
+        raise InvalidArgument(
+            f"size {ours['size'][:40]!r} is not a number of bytes or a Kubernetes quantity "
+            "(64Mi, 1Gi)"
+        ) from None
+    size, _ = requested_size(pb.CapacityRange(required_bytes=wanted))
     params = parameters.parse(
         {
             k: v

@@ -20,8 +20,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from nbd.addresses import AddressError
-from nbd.addresses import node_address as check_node_address
+from hostio.addresses import AddressError
+from hostio.addresses import node_address as check_node_address
 
 MAX_ID_BYTES = 128  # the spec's recommended maximum for ids Kubernetes stores
 
@@ -68,7 +68,7 @@ def parse_node_id(value: str) -> NodeRef | None:
 
 def address_problem(node: NodeRef) -> str | None:
     """Why a storage node would refuse the node's address (the one rule of
-    ``nbd/addresses.py``: no unspecified, broadcast, multicast or IPv4-mapped
+    ``hostio/addresses.py``: no unspecified, broadcast, multicast or IPv4-mapped
     address), or None.  Checked before any storage node records anything."""
     try:
         check_node_address(node.address, "its address")

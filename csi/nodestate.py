@@ -2,7 +2,7 @@
 
 One JSON file per staged volume under ``STATE_DIR/volumes/``, named by a
 digest of the volume id, replaced whole and durably
-(``nbd.atomicfile``: a crash leaves the old record or the new one, never
+(``hostio.atomicfile``: a crash leaves the old record or the new one, never
 half of one).  A record is written *before* the step it describes is taken
 and updated after, so a plugin that restarts finds every attachment, mount
 and bind it made, and unstage/unpublish can undo them.  A record that cannot
@@ -13,14 +13,13 @@ themselves are recorded by ``csi.attach`` under ``STATE_DIR/attach``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbd.atomicfile import fsync_directory, write_atomically
+from hostio.atomicfile import unlink_durably, write_atomically
 
 
 @dataclass
@@ -103,10 +102,7 @@ class NodeState:
         write_atomically(self._path(record.volume_id), record.to_json())
 
     def remove(self, volume_id: str) -> None:
-        path = self._path(volume_id)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            fsync_directory(path.parent)
+        unlink_durably(self._path(volume_id), missing_ok=True)
 
     def scan(self) -> tuple[list[StagedVolume], list[UnreadableRecord]]:
         """Every record, and every file that is not one."""

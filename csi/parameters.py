@@ -11,8 +11,10 @@ What a StorageClass may say (``parameters``):
                       ``csi.storage.k8s.io/fstype`` there)
 ``squash``            NFS: ``root_squash`` (default), ``no_root_squash``, ``all_squash``
 ``storageNode``       place the volume on this storage node only
-``iopsLimit``         NBD: requests per second over all connections (0: none)
-``bandwidthLimit``    NBD: bytes per second (0: none); ``Ki``/``Mi``/``Gi`` suffixes
+``iopsLimit``         NBD: requests per second over all connections (0: none), a
+                      Kubernetes quantity too (``2k`` is 2000)
+``bandwidthLimit``    NBD: bytes per second (0: none), a Kubernetes quantity (``100Mi``;
+                      ``1G`` is 10^9, as in Kubernetes)
 ``ioTimeout``         seconds (1-86400) I/O on a node waits for the storage node when it
                       is gone, then fails with EIO; default: the node plugin's
                       ``io_timeout`` (120)
@@ -31,11 +33,11 @@ key is INVALID_ARGUMENT naming it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from csi.errors import InvalidArgument
+from hostio.sizes import parse_size
 
 TYPES = ("nfs", "nbd")
 FS_TYPES = ("xfs", "ext4")
@@ -59,9 +61,6 @@ BACKEND_KEYS = {
     "nfs": {"squash": "squash"},
 }
 
-_SIZE = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
-_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-
 
 @dataclass(frozen=True)
 class VolumeParameters:
@@ -83,12 +82,13 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def _limit(key: str, value: str) -> str:
-    m = _SIZE.fullmatch(value.strip())
-    if not m:
+    try:
+        number = parse_size(value, kubernetes=True)
+    except ValueError:
         raise InvalidArgument(
-            f"parameter {key}: {value[:40]!r} is not a whole number (Ki, Mi, Gi, Ti allowed)"
-        )
-    number = int(m.group(1)) * _UNITS[m.group(2)]
+            f"parameter {key}: {value[:40]!r} is not a whole number or a Kubernetes quantity "
+            "(100Mi, 1G)"
+        ) from None
     if number > MAX_LIMIT:
         raise InvalidArgument(f"parameter {key}: {number} is above the maximum {MAX_LIMIT}")
     return str(number)

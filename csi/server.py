@@ -25,6 +25,7 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server
 
 from csi.errors import CsiError
+from hostio.addresses import HostPortError, parse_host_port
 
 log = logging.getLogger("moorage.csi")
 
@@ -217,11 +218,12 @@ def start_server(
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[V6]:PORT`` too; no host: every address) as host and port."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EndpointError(f"{what} {address[:80]!r} is not HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    """A listening ``HOST:PORT`` (``hostio.addresses``; no host: every address)."""
+    try:
+        host, port = parse_host_port(address, what, allow_empty_host=True)
+    except HostPortError as e:
+        raise EndpointError(str(e)) from None
+    return host or "0.0.0.0", port
 
 
 def start_metrics(address: str, registry: CollectorRegistry | None = None) -> None:

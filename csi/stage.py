@@ -16,11 +16,9 @@ Each step is idempotent: it checks what is there before acting.
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import logging
 import os
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -28,6 +26,8 @@ from urllib.parse import quote
 from csi import attach, mounts, parameters
 from csi.errors import FailedPrecondition, Internal, InvalidArgument
 from csi.kubeletpaths import same_mount
+from hostio.addresses import HostPort
+from hostio.ownership import give_to_group
 
 log = logging.getLogger("moorage.csi.node")
 
@@ -55,8 +55,7 @@ def nbd_uri(context: Mapping[str, str]) -> str:
     if not host or not 0 < port < 65536 or not name:
         raise InvalidArgument("publish_context of an nbd volume has an empty host or export")
     scheme = "nbds" if context.get("tls") == "true" else "nbd"
-    shown = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{shown}:{port}/{quote(name, safe='@:+.-_')}"
+    return f"{scheme}://{HostPort(host, port)}/{quote(name, safe='@:+.-_')}"
 
 
 def check_options(flags: Sequence[str]) -> tuple[str, ...]:
@@ -260,15 +259,11 @@ def mount_group_id(group: str) -> int:
 
 def apply_mount_group(root: Path, gid: int) -> None:
     """Give the volume's files to group ``gid`` (VOLUME_MOUNT_GROUP, the pod's fsGroup):
-    group owner, group read/write, setgid directories.  Skipped when the root
-    already belongs to the group (as Kubernetes' OnRootMismatch)."""
+    group owner, group read/write, setgid directories, no link followed
+    (``hostio.ownership``).  Skipped when the root already belongs to the group
+    (as Kubernetes' OnRootMismatch)."""
     try:
-        if os.stat(root).st_gid == gid:
-            return
-        for directory, dirs, files in os.walk(root):
-            for name in [*dirs, *files]:
-                _give(Path(directory) / name, gid)
-        _give(root, gid)
+        give_to_group(root, gid)
     except OSError as e:
         raise FailedPrecondition(
             f"cannot give {root} to group {gid}: {e.strerror} (an NFS export that squashes "
@@ -284,19 +279,6 @@ def revalidate(path: Path) -> None:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
     except OSError as e:
         raise FailedPrecondition(f"cannot open {path}: {e.strerror}") from e
-
-
-def _give(path: Path, gid: int) -> None:
-    st = path.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        os.lchown(path, -1, gid)
-        return
-    os.chown(path, -1, gid)
-    mode = st.st_mode | stat.S_IRGRP | stat.S_IWGRP
-    if stat.S_ISDIR(st.st_mode):
-        mode |= stat.S_IXGRP | stat.S_ISGID
-    with contextlib.suppress(OSError):
-        os.chmod(path, stat.S_IMODE(mode))
 
 
 def is_bind_of(target: Path, staging: Path, access: str) -> bool:

@@ -55,7 +55,9 @@ from fuse.loop import (
 )
 from fuse.nbdconnections import DEFAULT_CONNECTIONS, DEFAULT_IO_TIMEOUT
 from fuse.process import await_ready
-from nbd.atomicfile import write_atomically
+from hostio import tools
+from hostio.atomicfile import write_atomically
+from hostio.mountinfo import read_mountinfo
 
 log = logging.getLogger("moorage.fuse.blockdev")
 
@@ -231,24 +233,19 @@ def _stop_process(pid: int, start: int, timeout: float) -> None:
 
 
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
-    """Whether a FUSE block file mount sits on ``mountpoint`` (per /proc/self/mounts)."""
-    target = os.fsencode(os.path.abspath(mountpoint))
-    with open("/proc/self/mounts", "rb") as mounts:
-        return any(
-            fields[1] == target and fields[2] == f"fuse.{FSTYPE}".encode()
-            for fields in (line.split() for line in mounts)
-        )
+    """Whether a FUSE block file mount sits on ``mountpoint`` (per /proc/self/mountinfo)."""
+    target = os.path.abspath(mountpoint)
+    return any(e.mount_point == target and e.fstype == f"fuse.{FSTYPE}" for e in read_mountinfo())
 
 
 def _unmount(mountpoint: str | os.PathLike[str], timeout: float = 30.0) -> None:
     """Lazily unmount what a dead FUSE process left (its connection is gone anyway)."""
     argv = ["fusermount3", "-u", "-z", os.fspath(mountpoint)]
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise BlockAttachError(f"{argv} timed out after {timeout}s") from e
-    if result.returncode != 0 and is_mounted(mountpoint):
-        raise BlockAttachError(f"{argv} exited {result.returncode}: {result.stderr.strip()}")
+        tools.run(argv, timeout=timeout)
+    except tools.ToolError as e:
+        if e.returncode is None or is_mounted(mountpoint):  # gone anyway: fine
+            raise BlockAttachError(str(e)) from e
 
 
 def _log_tail(path: Path, lines: int = 5) -> str:

@@ -35,11 +35,13 @@ import fcntl
 import logging
 import os
 import stat
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
+
+from hostio import tools
+from hostio.mountinfo import read_mountinfo
 
 if TYPE_CHECKING:
     from _typeshed import StrPath
@@ -205,14 +207,7 @@ def loop_mountpoints(device: StrPath) -> list[str]:
     number = _dev_number(device)
     if number is None:
         return []
-    wanted = f"{number[0]}:{number[1]}"
-    found = []
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            if len(fields) > 4 and fields[2] == wanted:
-                found.append(fields[4].replace("\\040", " "))
-    return found
+    return [e.mount_point for e in read_mountinfo() if (e.major, e.minor) == number]
 
 
 def _holders(device: StrPath) -> list[str]:
@@ -276,12 +271,10 @@ def _losetup(
         argv += ["--sector-size", str(block_size)]
     argv.append(backing)
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise LoopError(errno.ETIMEDOUT, f"{argv} timed out after {timeout}s") from e
-    if result.returncode != 0:
-        raise LoopError(errno.EIO, f"{argv} exited {result.returncode}: {result.stderr.strip()}")
-    return result.stdout.strip()
+        return tools.run(argv, timeout=timeout).stdout.strip()
+    except tools.ToolError as e:
+        code = errno.ETIMEDOUT if isinstance(e, tools.ToolTimedOut) else errno.EIO
+        raise LoopError(code, str(e)) from e
 
 
 def attach_loop(

@@ -40,6 +40,8 @@ from fuse.process import (
     run_fuse_loop,
     set_read_ahead,
 )
+from hostio import tools
+from hostio.mountinfo import read_mountinfo
 
 log = logging.getLogger("moorage.fuse.nfs")
 # How long an NFS call waits for a server that went away before it fails
@@ -293,27 +295,22 @@ def _start_mount_process(
 
 
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
-    """Whether a moorage FUSE NFS mount sits on ``mountpoint`` (per /proc/self/mounts)."""
-    target = os.fsencode(os.path.abspath(mountpoint))
+    """Whether a moorage FUSE NFS mount sits on ``mountpoint`` (per /proc/self/mountinfo)."""
+    target = os.path.abspath(mountpoint)
     try:
-        with open("/proc/self/mounts", "rb") as mounts:
-            return any(
-                fields[1] == target and fields[2] == f"fuse.{FSTYPE}".encode()
-                for fields in (line.split() for line in mounts)
-            )
-    except FileNotFoundError:
+        entries = read_mountinfo()
+    except FileNotFoundError:  # no /proc
         return False
+    return any(e.mount_point == target and e.fstype == f"fuse.{FSTYPE}" for e in entries)
 
 
 def unmount(mountpoint: str | os.PathLike[str], *, lazy: bool = False, timeout: float = 30) -> None:
     """Unmount a FUSE mount with ``fusermount3 -u``; the mount process then exits."""
     argv = ["fusermount3", "-u", *(["-z"] if lazy else []), os.fspath(mountpoint)]
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise MountError(f"{' '.join(argv)} timed out after {timeout}s") from e
-    if result.returncode != 0:
-        raise MountError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()}")
+        tools.run(argv, timeout=timeout)
+    except tools.ToolError as e:
+        raise MountError(str(e)) from e
 
 
 # ------------------------------------------------------------------ command line

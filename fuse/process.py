@@ -25,6 +25,9 @@ from typing import Final
 import pyfuse3
 import trio
 
+from hostio import tools
+from hostio.mountinfo import read_mountinfo, topmost
+
 READY: Final = b"ready\n"
 # Seconds the requests under way get after SIGTERM before they are abandoned.
 ABANDON_AFTER: Final = 6.0
@@ -203,7 +206,7 @@ def raise_background_limit(mountpoint: str | os.PathLike[str], limit: int) -> bo
         minor = _mount_device(mountpoint)[1]
         # congestion_threshold may not exceed max_background: raise that first.
         fusectl(minor, {"max_background": limit, "congestion_threshold": limit * 3 // 4})
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, tools.ToolError) as e:
         log.warning("could not raise the FUSE background limit to %d: %s", limit, e)
         return False
     log.debug("FUSE background limit of %s raised to %d", mountpoint, limit)
@@ -249,25 +252,8 @@ def fusectl(minor: int, values: dict[str, int | None]) -> list[str]:
         for name, value in values.items()
         for item in (name, "" if value is None else str(value))
     ]
-    done = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            _FUSECTL_SCRIPT,
-            "sh",
-            FUSECTL,
-            str(minor),
-            *args,
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _FUSECTL_SCRIPT]
+    done = tools.run([*argv, "sh", FUSECTL, str(minor), *args], timeout=10)
     return done.stdout.split()
 
 
@@ -300,15 +286,7 @@ def _mount_device(mountpoint: str | os.PathLike[str]) -> tuple[int, int]:
     """
     path = os.path.abspath(mountpoint)
     path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            # mount ID, parent ID, major:minor, root, mount point (octal escapes), ...
-            point = fields[4].encode().decode("unicode_escape")
-            if point == path:
-                major, minor = fields[2].split(":")
-                found = int(major), int(minor)
-    if found is None:
+    entry = topmost(read_mountinfo(), path)
+    if entry is None:
         raise FileNotFoundError(f"{path} is not in /proc/self/mountinfo")
-    return found
+    return entry.major, entry.minor

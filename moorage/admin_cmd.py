@@ -19,8 +19,8 @@ from rich.table import Table
 
 from backend.client import BackendClient
 from backend.proto import backend_pb2 as pb
+from hostio.sizes import format_size, parse_size
 from moorage.output import CANNOT_START, FAILED, UNREACHABLE, fail, print_json
-from moorage.units import format_size, parse_size
 
 console = Console()
 DEFAULT_BACKEND = "unix:.moorage/data/backend.sock"

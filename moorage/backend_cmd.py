@@ -14,8 +14,8 @@ from backend.daemon import DaemonConfig, run_daemon
 from backend.errors import BackendError
 from backend.poolidentity import init_identity
 from backend.poolinit import init_loop_pool, release_loop_pool
+from hostio.sizes import parse_size
 from moorage.output import fail, run_service
-from moorage.units import parse_size
 from nbd.server import tune_malloc
 
 app = typer.Typer(help="The storage node daemon and its pool.", no_args_is_help=True)

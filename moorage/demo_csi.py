@@ -30,6 +30,7 @@ from rich.table import Table
 from csi import attach, mounts
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
+from hostio.atomicfile import write_atomically
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -71,7 +72,8 @@ def _start_plugin(state: Path, api_address: str) -> tuple[subprocess.Popen[bytes
     csi_dir = state / "csi"
     csi_dir.mkdir(parents=True, exist_ok=True)
     config = csi_dir / "csi.toml"
-    config.write_text(f'[[storage_nodes]]\nname = "demo"\naddress = "{api_address}"\n')
+    text = f'[[storage_nodes]]\nname = "demo"\naddress = "{api_address}"\n'
+    write_atomically(config, text, mode=0o644)
     sock = csi_dir / "csi.sock"
     log = (csi_dir / "plugin.log").open("ab")
     argv = [

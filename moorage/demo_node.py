@@ -7,6 +7,7 @@ API and real clients, then takes everything down again.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -23,12 +24,14 @@ from backend.client import BackendClient
 from backend.daemon import DaemonConfig, run_daemon
 from backend.poolinit import init_loop_pool, read_pool_record, release_loop_pool
 from backend.proto import backend_pb2 as pb
+from hostio import tools
+from hostio.sizes import format_size
 from moorage.demo_csi import csi_demo
-from moorage.units import format_size
 
 T = TypeVar("T")
 POOL_SIZE = 2 << 30
 NODE = "demo-node"
+TOOL_TIMEOUT = 120.0  # qemu-io, nbdinfo, nfs-cp, nfs-ls on a few MiB
 
 
 def _free_port() -> int:
@@ -38,14 +41,13 @@ def _free_port() -> int:
 
 
 async def _tool(argv: list[str], stdin: bytes | None = None) -> str:
-    if shutil.which(argv[0]) is None:
+    if shutil.which(tools.tool_path(argv[0])) is None:
         raise RuntimeError(f"{argv[0]} is not installed; run deploy/host/install-deps.sh")
-    result = await trio.run_process(
-        argv, stdin=stdin, capture_stdout=True, capture_stderr=True, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.decode().strip()}")
-    return bytes(result.stdout).decode()
+    run = functools.partial(tools.run, argv, timeout=TOOL_TIMEOUT, input=stdin)
+    try:
+        return (await trio.to_thread.run_sync(run)).stdout
+    except tools.ToolError as e:
+        raise RuntimeError(str(e)) from e
 
 
 async def node_demo(state: Path, console: Console) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import trio
 import typer
 
+from hostio.addresses import HostPortError, parse_host_port
 from moorage.output import run_service
 from nbd.exports import Export, ExportError, ExportTable, parse_networks
 from nbd.server import (
@@ -55,10 +56,11 @@ def parse_export(spec: str, allow: list[str], tls_required: bool) -> Export:
 
 
 def parse_listen(spec: str) -> tuple[str, int]:
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise typer.BadParameter(f"{spec!r}: expected HOST:PORT", param_hint="--listen")
-    return host.strip("[]"), int(port)
+    """``--listen``: no host is every address; port 0 any free port (the log says which)."""
+    try:
+        return parse_host_port(spec, "--listen", allow_zero=True, allow_empty_host=True)
+    except HostPortError as e:
+        raise typer.BadParameter(str(e), param_hint="--listen") from None
 
 
 @app.command("serve")

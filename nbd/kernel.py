@@ -26,7 +26,6 @@ import ctypes
 import errno
 import os
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostio import tools
 from nbd.client import Negotiated
 from nbd.kernel_errors import KernelNBDError, KernelNBDUnavailable
 from nbd.kernel_ioctl import (
@@ -98,17 +98,10 @@ def _lookup_nbd_family() -> tuple[GenlFamily | None, str]:
 
 def _modprobe() -> str | None:
     """Load the nbd module; None on success, else why it failed."""
-    exe = shutil.which("modprobe") or next(
-        (p for p in ("/usr/sbin/modprobe", "/sbin/modprobe") if os.access(p, os.X_OK)), None
-    )
-    if exe is None:
-        return "modprobe is not installed"
     try:
-        result = subprocess.run([exe, "nbd"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        tools.run(["modprobe", "nbd"], timeout=30)
+    except tools.ToolError as e:
         return str(e)
-    if result.returncode != 0:
-        return result.stderr.strip() or f"modprobe exited {result.returncode}"
     return None
 
 

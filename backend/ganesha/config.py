@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Final, Literal, get_args
 
 from backend.errors import InvalidArgument
-from nbd.addresses import AddressError, node_address
+from hostio.addresses import AddressError, node_address
 
 Access = Literal["RW", "RO"]
 Squash = Literal["root_squash", "no_root_squash", "all_squash"]
@@ -74,7 +74,7 @@ def client_address(value: str) -> str:
     """One client: an IPv4/IPv6 address or network, in its canonical form.
 
     An address must pass the rule every layer applies to a node's address
-    (``nbd/addresses.py``, also behind ``backend.validation.node_address``):
+    (``hostio/addresses.py``, also behind ``backend.validation.node_address``):
     ``0.0.0.0`` and ``::`` are refused (ganesha reads a bare ``0.0.0.0`` as
     "every client", which nobody writing an address means), and so are zone
     ids (``fe80::1%eth0``), IPv4-mapped, broadcast and multicast addresses.

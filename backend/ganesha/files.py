@@ -8,7 +8,7 @@ Layout under ``conf_dir``::
 ganesha 4.3's ``%dir`` includes every regular file whose name matches the
 pattern, so a file is written to ``.export-<id>.conf.<random>.tmp`` (which
 does not match ``*.conf``) in the same directory, fsynced, then renamed over
-its final name (``nbd.atomicfile``): a SIGHUP at any moment sees either the
+its final name (``hostio.atomicfile``): a SIGHUP at any moment sees either the
 old file or the new one, whole.
 The catalog is the source of truth; :meth:`GaneshaFiles.sync` rebuilds the
 directory from it.
@@ -31,7 +31,7 @@ from backend.ganesha.config import (
     render_main,
     safe_path,
 )
-from nbd.atomicfile import fsync_directory, write_atomically
+from hostio.atomicfile import fsync_directory, unlink_durably, write_atomically
 
 MAIN_FILE: Final = "ganesha.conf"
 EXPORT_DIR: Final = "exports.d"
@@ -50,10 +50,6 @@ def _export_id(name: str) -> int | None:
 def _write_atomically(path: Path, text: str) -> None:
     """A dot-named temp file beside ``path`` (``.NAME.*.tmp``), fsync, rename, fsync the dir."""
     write_atomically(path, text.encode("ascii"), mode=0o644)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fsync_directory(directory)
 
 
 def _read_text(path: Path) -> str | None:
@@ -114,13 +110,7 @@ class GaneshaFiles:
 
     def remove_export(self, export_id: int) -> bool:
         """Remove ``exports.d/export-<id>.conf``; returns whether it existed."""
-        path = self.export_file(export_id)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return False
-        _fsync_dir(self.export_dir)
-        return True
+        return unlink_durably(self.export_file(export_id), missing_ok=True)
 
     def read_export_ids(self) -> list[int]:
         """The ids of the export files present, sorted."""
@@ -164,7 +154,7 @@ class GaneshaFiles:
                 path.unlink()
                 repairs.append(f"removed unexpected file {path}")
         if repairs:
-            _fsync_dir(self.export_dir)
+            fsync_directory(self.export_dir)
         return repairs
 
     def _names(self) -> list[str]:

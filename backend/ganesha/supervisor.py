@@ -42,6 +42,7 @@ from backend.ganesha.children import (
 )
 from backend.ganesha.config import CoreConfig
 from backend.ganesha.probes import NFS_PROGRAM, RPCBIND_PORT, accepts_tcp, port_in_use, rpc_ping
+from hostio.atomicfile import write_atomically
 
 log = logging.getLogger("moorage.ganesha")
 
@@ -424,7 +425,7 @@ class GaneshaSupervisor:
                 if await accepts_tcp("127.0.0.1", RPCBIND_PORT):
                     self._rpcbind = child
                     # So a daemon restarted after a crash can stop this one.
-                    self._rpcbind_pid_file.write_text(f"{child.pid}\n")
+                    write_atomically(self._rpcbind_pid_file, f"{child.pid}\n", mode=0o644)
                     return True
                 await trio.sleep(0.05)
         with trio.CancelScope(shield=True):

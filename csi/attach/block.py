@@ -21,9 +21,9 @@ from typing import Any, Final
 from csi.attach.errors import AttachError, PathUnavailable
 from csi.attach.paths import BlockPath, Plan, pyfuse3_installed
 from csi.config import DEFAULT_IO_TIMEOUT
+from hostio.atomicfile import unlink_durably, write_atomically
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
-from nbd.atomicfile import write_atomically
 
 KERNEL_STATE: Final = "kernel-nbd"  # subdirectory of the state dir for kernel attachments
 _NBD_DEVICE = re.compile(r"/dev/nbd(\d+)")
@@ -208,8 +208,7 @@ def _detach_kernel(device: str, state_dir: str | os.PathLike[str]) -> None:
             nbd_kernel.detach_kernel(device)
         except nbd_kernel.KernelNBDError as e:
             raise AttachError(f"detaching {device} failed: {e}") from e
-    with contextlib.suppress(FileNotFoundError):
-        (_kernel_dir(state_dir) / f"{Path(device).name}.json").unlink()
+    unlink_durably(_kernel_dir(state_dir) / f"{Path(device).name}.json", missing_ok=True)
 
 
 def _detach_fuse(device_or_uri: str, state_dir: str | os.PathLike[str]) -> None:

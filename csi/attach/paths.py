@@ -24,15 +24,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import stat
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, Literal, get_args
 
 from csi.attach.errors import PathUnavailable
+from hostio import tools
 from nbd import kernel as nbd_kernel
 
 BlockPath = Literal["kernel-nbd", "fuse-loop"]
@@ -104,12 +103,8 @@ def _kernel_filesystems() -> set[str]:
 def _load_nfs_module() -> None:
     """Load the NFS client module (a node's kernel has it as a module that only
     the first NFS mount would load), as the nbd probe loads nbd."""
-    exe = shutil.which("modprobe") or next(
-        (p for p in ("/usr/sbin/modprobe", "/sbin/modprobe") if os.access(p, os.X_OK)), None
-    )
-    if exe is not None:
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run([exe, "nfs"], capture_output=True, timeout=30)
+    with contextlib.suppress(tools.ToolError):
+        tools.run(["modprobe", "nfs"], timeout=30)
 
 
 def _kernel_nfs() -> tuple[bool, str]:

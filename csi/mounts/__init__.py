@@ -50,7 +50,6 @@ from csi.mounts.mounting import (
 )
 from csi.mounts.propagation import PropagationError, check_propagation
 from csi.mounts.table import (
-    MountEntry,
     MountInfo,
     is_mount_point,
     mount_containing,
@@ -58,10 +57,10 @@ from csi.mounts.table import (
     mount_entry,
     mount_info,
     mounts_of_device,
-    parse_mountinfo,
     resolve_to_mount_point,
 )
 from csi.mounts.validation import validate_options
+from hostio.mountinfo import MountEntry, parse_mountinfo
 
 __all__ = [
     "FSTYPES",

@@ -33,9 +33,10 @@ from csi.mounts.errors import (
     MountOptionError,
     OnlineGrowUnsupported,
 )
-from csi.mounts.table import MountEntry, mount_entry, mounts_of_device
+from csi.mounts.table import mount_entry, mounts_of_device
 from csi.mounts.tools import TIMEOUT
 from csi.mounts.validation import validate_device, validate_path
+from hostio.mountinfo import MountEntry
 
 Fstype = Literal["ext4", "xfs"]
 FSTYPES: Final[tuple[str, ...]] = get_args(Fstype)

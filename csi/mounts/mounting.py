@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from csi.mounts import tools
 from csi.mounts.errors import FilesystemError, MountError
-from csi.mounts.table import MountEntry, mount_entry
+from csi.mounts.table import mount_entry
 from csi.mounts.tools import TIMEOUT
 from csi.mounts.validation import (
     validate_fstype,
@@ -21,6 +21,7 @@ from csi.mounts.validation import (
     validate_path,
     validate_source,
 )
+from hostio.mountinfo import MountEntry
 
 
 def _same_source(entry: MountEntry, source: str, fstype: str | None) -> bool:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from csi.mounts.table import MountEntry, mount_containing
+from csi.mounts.table import mount_containing
+from hostio.mountinfo import MountEntry
 
 FIX = "mount propagation of the kubelet dir must be Bidirectional/shared"
 

@@ -1,60 +1,21 @@
-"""What is mounted where on this node, from ``/proc/self/mountinfo``.
+"""What is mounted on a path of this node, from ``/proc/self/mountinfo``.
 
-Octal escapes such as ``\\040`` are decoded, so bind mounts of single
-files are seen too, and a FUSE mount whose daemon died is still found.
+Paths are matched against the kernel's table (parsed by
+:mod:`hostio.mountinfo`), not found by stat-ing them, so bind mounts of
+single files are seen too, and a FUSE mount whose daemon died is still found.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from csi.mounts.errors import FilesystemError
+from hostio.mountinfo import MountEntry, parse_mountinfo, topmost
 
 MOUNTINFO = Path("/proc/self/mountinfo")  # module level so tests can point elsewhere
-
-
-@dataclass(frozen=True, slots=True)
-class MountEntry:
-    """One line of /proc/self/mountinfo, unescaped."""
-
-    mount_id: int
-    parent_id: int
-    major: int
-    minor: int
-    root: str
-    mount_point: str
-    mount_options: tuple[str, ...]
-    fstype: str
-    source: str
-    super_options: tuple[str, ...]
-    # propagation tags: shared:N (a peer group), master:N (a slave of one), ...
-    optional_fields: tuple[str, ...] = ()
-
-    @property
-    def read_only(self) -> bool:
-        return "ro" in self.mount_options or "ro" in self.super_options
-
-    @property
-    def peer_group(self) -> int | None:
-        """N of ``shared:N``: mounts made on this mount propagate to its peers."""
-        return _tag(self.optional_fields, "shared:")
-
-    @property
-    def master(self) -> int | None:
-        """N of ``master:N``: this mount receives the mounts of peer group N."""
-        return _tag(self.optional_fields, "master:")
-
-
-def _tag(fields: tuple[str, ...], prefix: str) -> int | None:
-    for tag in fields:
-        if tag.startswith(prefix) and tag[len(prefix) :].isdigit():
-            return int(tag[len(prefix) :])
-    return None
 
 
 class MountInfo(NamedTuple):
@@ -65,47 +26,9 @@ class MountInfo(NamedTuple):
     options: tuple[str, ...]
 
 
-_OCTAL = re.compile(rb"\\([0-7]{3})")
-
-
-def _unescape(field: bytes) -> str:
-    """The kernel escapes space, tab, newline and backslash as ``\\ooo``."""
-    return os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), field))
-
-
-def parse_mountinfo(data: bytes) -> list[MountEntry]:
-    """Parse mountinfo(5); malformed lines are skipped."""
-    entries: list[MountEntry] = []
-    for line in data.splitlines():
-        fields = line.split(b" ")
-        try:
-            sep = fields.index(b"-", 6)
-            major, minor = fields[2].split(b":")
-            entries.append(
-                MountEntry(
-                    mount_id=int(fields[0]),
-                    parent_id=int(fields[1]),
-                    major=int(major),
-                    minor=int(minor),
-                    root=_unescape(fields[3]),
-                    mount_point=_unescape(fields[4]),
-                    mount_options=tuple(_unescape(fields[5]).split(",")),
-                    fstype=_unescape(fields[sep + 1]),
-                    source=_unescape(fields[sep + 2]),
-                    super_options=tuple(_unescape(fields[sep + 3]).split(","))
-                    if len(fields) > sep + 3
-                    else (),
-                    optional_fields=tuple(f.decode("ascii", "replace") for f in fields[6:sep]),
-                )
-            )
-        except (ValueError, IndexError):
-            continue
-    return entries
-
-
 def mount_entries() -> list[MountEntry]:
     """Every mount this process sees, in mount order."""
-    return parse_mountinfo(MOUNTINFO.read_bytes())
+    return parse_mountinfo(MOUNTINFO.read_bytes(), str(MOUNTINFO))
 
 
 def resolve_to_mount_point(
@@ -130,12 +53,7 @@ def resolve_to_mount_point(
 def mount_entry(path: str | os.PathLike[str]) -> MountEntry | None:
     """The topmost mount on ``path`` exactly (not on a parent of it), or None."""
     entries = mount_entries()
-    target = resolve_to_mount_point(path, entries)
-    found = None
-    for entry in entries:
-        if entry.mount_point == target:
-            found = entry  # later lines are mounted on top of earlier ones
-    return found
+    return topmost(entries, resolve_to_mount_point(path, entries))
 
 
 def mount_containing(path: str | os.PathLike[str]) -> MountEntry | None:

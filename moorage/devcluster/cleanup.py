@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from backend.loopdevices import loop_backing_id, loop_devices
+from hostio.mountinfo import MountEntry, read_mountinfo
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: the cgroup moorage's node plugin moves its FUSE daemons to (chart: node.fuseCgroup)
@@ -62,11 +63,7 @@ def kill_containers(cgroups: list[str], containerd_sockets: list[Path]) -> int:
 
 
 def _mount_points() -> list[str]:
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].encode().decode("unicode_escape")
-        points.append(point)
-    return points
+    return [e.mount_point for e in read_mountinfo()]
 
 
 def unmount_under(prefixes: list[Path]) -> list[str]:
@@ -88,21 +85,17 @@ def unmount_under(prefixes: list[Path]) -> list[str]:
     return gone
 
 
-def fuse_devices_under(prefixes: list[Path], mountinfo: str | None = None) -> set[int]:
-    """Device numbers of the FUSE filesystems mounted at or under the prefixes."""
+def fuse_devices_under(prefixes: list[Path], mounts: list[MountEntry] | None = None) -> set[int]:
+    """Device numbers of the FUSE filesystems mounted at or under the prefixes
+    (in ``mounts``, by default this process's mount table)."""
     wanted = [str(p).rstrip("/") for p in prefixes]
     devices = set()
-    if mountinfo is None:
-        mountinfo = Path("/proc/self/mountinfo").read_text()
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        point = fields[4].encode().decode("unicode_escape")
-        fstype = fields[fields.index("-") + 1]
-        if not fstype.startswith("fuse"):
+    for entry in read_mountinfo() if mounts is None else mounts:
+        point = entry.mount_point
+        if not entry.fstype.startswith("fuse"):
             continue
         if any(point == w or point.startswith(w + "/") for w in wanted):
-            major, minor = fields[2].split(":")
-            devices.add(os.makedev(int(major), int(minor)))
+            devices.add(os.makedev(entry.major, entry.minor))
     return devices
 
 

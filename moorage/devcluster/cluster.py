@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hostio.atomicfile import write_atomically
+from hostio.mountinfo import parse_mountinfo, read_mountinfo
 from moorage.devcluster import cleanup, control, network, procs
 from moorage.devcluster import node as nodes
 from moorage.devcluster.kube import Kube, KubectlError
@@ -80,10 +82,10 @@ def up(
 def _node_fuse_devices(layout: Layout, node: Node, prefixes: list[Path]) -> set[int]:
     """FUSE filesystems under ``prefixes`` in the node's own mount namespace."""
     try:
-        mountinfo = Path(f"/proc/{nodes.init_pid(layout, node)}/mountinfo").read_text()
+        mounts = read_mountinfo(nodes.init_pid(layout, node))
     except (procs.ClusterError, OSError):
         return set()
-    return cleanup.fuse_devices_under(prefixes, mountinfo)
+    return cleanup.fuse_devices_under(prefixes, mounts)
 
 
 def _node_ready(kube: Kube, name: str) -> bool:
@@ -128,7 +130,7 @@ def install_moorage(layout: Layout, kube: Kube, sidecars: bool = True) -> None:
         "sidecars": {"registrar": sidecars, "livenessprobe": sidecars},
     }
     values_file = layout.root / "values.json"
-    values_file.write_text(json.dumps(values, indent=2))
+    write_atomically(values_file, json.dumps(values, indent=2), mode=0o644)
     kube.helm(
         "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--values", str(values_file), "--wait", "--timeout", "5m",
@@ -247,12 +249,13 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
     fuse_devices |= cleanup.fuse_devices_under(prefixes)
     for node in layout.nodes:
         if node.mount_ns is not None and node.mount_ns.exists():
-            inside = subprocess.run(
-                ["nsenter", f"--mount={node.mount_ns}", "cat", "/proc/self/mountinfo"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            fuse_devices |= cleanup.fuse_devices_under(prefixes, inside)
+            argv = ["nsenter", f"--mount={node.mount_ns}", "cat", "/proc/self/mountinfo"]
+            try:
+                inside = subprocess.run(argv, capture_output=True, timeout=30).stdout
+            except subprocess.TimeoutExpired:
+                inside = b""
+            mounts = parse_mountinfo(inside, f"mountinfo of {node.mount_ns}")
+            fuse_devices |= cleanup.fuse_devices_under(prefixes, mounts)
     gone = cleanup.unmount_under(
         [layout.kubelet_dir, layout.root, Path("/run/moorage-e2e")]
         + [n.containerd_state for n in layout.nodes]

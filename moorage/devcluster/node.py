@@ -12,6 +12,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+from hostio.atomicfile import write_atomically
+from hostio.mountinfo import read_mountinfo
 from moorage.devcluster import pki, procs
 from moorage.devcluster.layout import (
     API_PORT,
@@ -152,7 +154,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   conf_dir = "{node.dir / "cni"}"
 """
     path = base / "config.toml"
-    path.write_text(text)
+    write_atomically(path, text, mode=0o644)
     return path
 
 
@@ -178,7 +180,8 @@ def _cni_config(node: Node) -> None:
         ],
     }
     (node.dir / "cni").mkdir(parents=True, exist_ok=True)
-    (node.dir / "cni" / "10-moorage-e2e.conflist").write_text(json.dumps(conf, indent=2))
+    conflist = node.dir / "cni" / "10-moorage-e2e.conflist"
+    write_atomically(conflist, json.dumps(conf, indent=2), mode=0o644)
 
 
 def _kubelet_config(layout: Layout, node: Node) -> Path:
@@ -219,8 +222,9 @@ def _kubelet_config(layout: Layout, node: Node) -> Path:
         "serializeImagePulls": False,
     }
     path = node.dir / "kubelet.json"
-    path.write_text(json.dumps(config, indent=2))
-    (node.dir / "resolv.conf").write_text("# no cluster DNS in moorage's e2e cluster\n")
+    write_atomically(path, json.dumps(config, indent=2), mode=0o644)
+    resolv = "# no cluster DNS in moorage's e2e cluster\n"
+    write_atomically(node.dir / "resolv.conf", resolv, mode=0o644)
     return path
 
 
@@ -238,7 +242,7 @@ def _proxy_config(node: Node) -> Path:
         "conntrack": {"maxPerCore": 0, "min": 0},
     }
     path = node.dir / "kube-proxy.json"
-    path.write_text(json.dumps(config, indent=2))
+    write_atomically(path, json.dumps(config, indent=2), mode=0o644)
     return path
 
 
@@ -310,7 +314,7 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
 
 
 def _mount_points() -> list[str]:
-    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [e.mount_point for e in read_mountinfo()]
 
 
 def _pinned(pin: Path) -> bool:

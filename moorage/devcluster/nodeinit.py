@@ -23,18 +23,15 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
+
+from hostio.mountinfo import read_mountinfo
 
 # where other programs (tests, the kernel lane) mount their own things
 FOREIGN = ("/tmp",)
 
 
 def _mount_points() -> list[str]:
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4]
-        points.append(point.encode().decode("unicode_escape"))
-    return points
+    return [e.mount_point for e in read_mountinfo()]
 
 
 def drop_foreign_mounts(prefixes: tuple[str, ...] = FOREIGN) -> list[str]:

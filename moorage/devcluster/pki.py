@@ -8,10 +8,12 @@ signed with a key of their own.  Files are made once and reused by a later
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from hostio import tools
+from hostio.atomicfile import write_atomically
 
 DAYS = "3650"
 
@@ -28,9 +30,10 @@ class Identity:
 
 
 def _openssl(*args: str) -> None:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"openssl {args[0]}: {result.stderr.strip()}")
+    try:
+        tools.run(["openssl", *args], timeout=60)
+    except tools.ToolError as e:
+        raise RuntimeError(f"openssl {args[0]}: {e.stderr}") from e
 
 
 def _key(path: Path) -> None:
@@ -108,5 +111,4 @@ def kubeconfig(path: Path, pki: Path, who: str, server: str) -> None:
         "current-context": "moorage-e2e",
     }
     # JSON is YAML: every Kubernetes client reads it
-    path.write_text(json.dumps(config, indent=2))
-    path.chmod(0o600)
+    write_atomically(path, json.dumps(config, indent=2), mode=0o600)

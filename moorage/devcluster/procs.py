@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hostio.atomicfile import write_atomically
 from moorage.devcluster.layout import Layout
 
 
@@ -77,7 +78,7 @@ def start(
     while started is None and time.monotonic() < deadline:
         time.sleep(0.01)
         started = _start_time(pid)
-    (layout.pids / f"{name}.pid").write_text(f"{pid} {started}\n")
+    write_atomically(layout.pids / f"{name}.pid", f"{pid} {started}\n", mode=0o644)
     return pid
 
 

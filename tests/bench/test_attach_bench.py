@@ -70,12 +70,12 @@ import pytest
 
 from fuse.blockdev import Attachment, attach_fuse_block, detach_fuse_block
 from fuse.nfsmount import MountError, mount_nfs, unmount
+from hostio.atomicfile import fsync_path
 from tests.bench.test_nbd_bench import (
     ServerSpec,
     moorage_argv,
     ratio,
     serving,
-    sync_file,
     version,
 )
 from tests.conftest import REPO, run, sparse_image
@@ -101,7 +101,7 @@ CONNECTIONS = 4  # the FUSE block file's NBD connections (its default)
 IO_TIMEOUT = 60.0  # a FUSE block request fails after this long without a server
 VERIFY_SIZE = 64 * MiB
 CHUNK = 8 * MiB
-CODE = ("nbd", "fuse", "moorage")  # what the measured paths run
+CODE = ("hostio", "nbd", "fuse", "moorage")  # what the measured paths run
 
 BLOCK_TOOLS = ("fio", "fusermount3", "losetup", "pgrep")
 NFS_TOOLS = ("ganesha.nfsd", "nfs-cp", "fusermount3", "dd", "pgrep")
@@ -401,12 +401,12 @@ def test_fuse_loop_vs_fio_nbd_engine(tmp_path: Path) -> None:
             verify_across(direct, loop, offset=VERIFY_SIZE)
             # Untimed: every block of the image allocated before the first timed write.
             fio(direct, ["--rw=write", "--bs=1M", "--iodepth=8", f"--size={BLOCK_IMAGE_SIZE}"])
-            sync_file(image)
+            fsync_path(image)
             for w in WORKLOADS:
                 for _, name in interleaved([LOOP, DIRECT], BLOCK_ROUNDS):
                     results.setdefault((w.label, name), []).append(measure(targets[name], w))
                     if w.side == "write":
-                        sync_file(image)  # untimed: no run pays for another's writeback
+                        fsync_path(image)  # untimed: no run pays for another's writeback
                     server.check_alive()
     finally:
         out = header(

@@ -47,6 +47,7 @@ from backend.client import BackendClient
 from backend.loopdevices import loop_devices
 from backend.mounts import mount_table
 from backend.proto import backend_pb2 as pb
+from hostio.atomicfile import fsync_path
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO, run
 
@@ -330,14 +331,6 @@ def same_prefix(a: Path, b: Path, size: int) -> bool:
     return True
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def allocated(path: Path) -> int:
     return os.stat(path).st_blocks * 512
 
@@ -388,7 +381,7 @@ def snapshot_runs(node: BackendNode, data: Path, pool_label: str) -> list[Timing
                 t0 = time.perf_counter()
                 run([*argv, str(image), str(dst)], timeout=600)
                 t1 = time.perf_counter()
-                fsync_file(dst)
+                fsync_path(dst)
                 t2 = time.perf_counter()
                 copy_times.append(t1 - t0)
                 synced_times.append(t2 - t0)

@@ -46,6 +46,7 @@ from typing import Any
 
 import pytest
 
+from hostio.atomicfile import fsync_path
 from tests.conftest import REPO, free_port, run, wait_for_port
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
@@ -217,14 +218,6 @@ def overwrite(dst: Path, src: Path) -> None:
         os.fsync(fout.fileno())
 
 
-def sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def warm(path: Path) -> None:
     """Read the whole file once so that it sits in the page cache."""
     buf = bytearray(CHUNK)
@@ -260,7 +253,7 @@ def images(peer_tools: None, tmp_path: Path) -> Iterator[Images]:
         fill_random(imgs.pristine, IMAGE_SIZE)
         fill_random(imgs.source, IMAGE_SIZE)
         shutil.copyfile(imgs.pristine, imgs.image)
-        sync_file(imgs.image)
+        fsync_path(imgs.image)
         yield imgs
     finally:
         # pytest keeps the last few tmp_path directories: do not leave 3 GiB behind.
@@ -451,7 +444,7 @@ def check_server(server: Server, images: Images) -> None:
     check_read_back(server, images.pristine)
     run(["nbdcopy", str(images.source), server.uri], timeout=600)
     server.check_alive()
-    sync_file(images.image)
+    fsync_path(images.image)
     assert same_content(images.image, images.source), (
         f"{server.name}: the image does not hold what nbdcopy wrote"
     )
@@ -475,7 +468,7 @@ def bench_all(images: Images, logs: Path, results: dict[str, Result]) -> None:
         for server in interleaved(servers, SEQ_RUNS):
             times[server.name].append(timed(["nbdcopy", str(images.source), server.uri]))
             # Untimed: the next run must not pay for this one's writeback.
-            sync_file(images.image)
+            fsync_path(images.image)
         for server in servers:
             results[server.name].seq_write = IMAGE_SIZE / 1e6 / min(times[server.name])
         for server in interleaved(servers, FIO_ROUNDS):
@@ -484,14 +477,14 @@ def bench_all(images: Images, logs: Path, results: dict[str, Result]) -> None:
         for server in interleaved(servers, FIO_ROUNDS):
             r = results[server.name]
             r.rand_write = max(r.rand_write, fio_iops(server.uri, "randwrite"))
-            sync_file(images.image)
+            fsync_path(images.image)
         for server in servers:
             server.check_alive()
     # Memory on a fresh process each, so that its high-water mark is the 8-client one.
     for spec in SERVERS:
         with serving(spec, images.image, logs) as server:
             results[spec.name].memory = measure_memory(server, images)
-        sync_file(images.image)
+        fsync_path(images.image)
 
 
 def version(argv: list[str], lines: int = 1) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import json
 
+from hostio.sizes import parse_size
 from moorage.devcluster import cluster as devcluster
 from moorage.devcluster.kube import Kube
 from moorage.devcluster.layout import NAMESPACE
-from moorage.units import parse_size
 from tests.e2e.conftest import Cluster
 
 
@@ -33,7 +33,8 @@ def test_csinode_and_storage_capacity(cluster: Cluster) -> None:
         ]  # fmt: skip
         assert segment, f"no CSIStorageCapacity for {node.name}'s segment"
         for c in segment:
-            assert parse_size(c["capacity"]) > 1 << 30, c  # the 32 GiB loop pool, less in use
+            # the 32 GiB loop pool, less in use
+            assert parse_size(c["capacity"], kubernetes=True) > 1 << 30, c
 
 
 NODE_PODS = "app.kubernetes.io/component=node"

@@ -1,7 +1,7 @@
 """What the storage node accepts from callers, checked whole (issue 17).
 
 Names and ids are matched in full (a trailing newline is not a second,
-different name); a node's address passes one rule (``nbd/addresses.py``) that
+different name); a node's address passes one rule (``hostio/addresses.py``) that
 the storage node's validation, ganesha's configuration model and the CSI
 plugin all apply; and no message echoes more than a bounded part of its input.
 """

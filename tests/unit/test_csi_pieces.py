@@ -163,7 +163,8 @@ def test_kubernetes_reserved_keys_are_left_to_the_sidecars() -> None:
         ({"nfsFsType": "btrfs"}, {}, "nfsFsType"),
         ({"squash": "some"}, {}, "squash"),
         ({"iopsLimit": "-1"}, {}, "whole number"),
-        ({"bandwidthLimit": "1Pi"}, {}, "whole number"),
+        ({"bandwidthLimit": "1Zi"}, {}, "whole number"),
+        ({"bandwidthLimit": "1Pi"}, {}, "maximum"),  # a Kubernetes quantity, 2^50
         ({"iopsLimit": str(10**13)}, {}, "maximum"),
         ({}, {"fsType": "xfs"}, "cannot change"),
         ({"squash": "root_squash"}, {"squash": "all_squash"}, "mutable parameters"),

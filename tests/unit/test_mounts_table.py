@@ -1,4 +1,4 @@
-"""``csi.mounts.table``: mountinfo parsing, escapes, the mount on a path."""
+"""``csi.mounts.table``: the mount on a path, found in the mount table."""
 
 from __future__ import annotations
 
@@ -7,39 +7,6 @@ from pathlib import Path
 
 from csi import mounts
 from tests.unit.conftest import mountinfo_line
-
-
-def test_mountinfo_escapes_are_decoded() -> None:
-    text = "\n".join(
-        [
-            mountinfo_line(30, "/mnt/with space", "/dev/loop3", "ext4"),
-            mountinfo_line(31, "/mnt/tab\there", "srv:/export dir", "nfs4", optional=""),
-            mountinfo_line(
-                32, "/mnt/back\\slash\nnewline", "tmpfs", "tmpfs", optional="master:2 shared:3"
-            ),
-        ]
-    )
-    entries = mounts.parse_mountinfo(text.encode())
-    assert [e.mount_point for e in entries] == [
-        "/mnt/with space",
-        "/mnt/tab\there",
-        "/mnt/back\\slash\nnewline",
-    ]
-    assert entries[1].source == "srv:/export dir"
-    assert entries[1].fstype == "nfs4"
-    assert (entries[0].major, entries[0].minor) == (7, 3)
-    assert entries[2].fstype == "tmpfs"
-
-
-def test_mountinfo_non_utf8_path_round_trips_through_fsdecode() -> None:
-    raw = b"40 1 0:5 / /mnt/caf\xe9 rw - tmpfs tmpfs rw\n"
-    (entry,) = mounts.parse_mountinfo(raw)
-    assert os.fsencode(entry.mount_point) == b"/mnt/caf\xe9"
-
-
-def test_malformed_mountinfo_lines_are_skipped() -> None:
-    text = "garbage\n" + mountinfo_line(5, "/x", "/dev/sda1", "xfs") + "\n1 2 3\n"
-    assert [e.mount_point for e in mounts.parse_mountinfo(text.encode())] == ["/x"]
 
 
 def test_is_mount_point_matches_the_exact_path_and_follows_symlinks(

@@ -4,11 +4,10 @@ content or the new, never a mix, and a write that returned is on disk.
 The data goes to a temporary file in the same directory (a dot name ending in
 ``.tmp``, which no reader's ``*.json`` or ``*.conf`` picks up), is fsynced,
 renamed over the path, and the directory is fsynced so that the rename itself
-is durable.  Every record the project keeps is written through
-:func:`write_atomically`: the node plugin's state, the block attachment
-records, the pool's marker and record, ganesha's export files.
-
-It lives in ``nbd`` because that is the package every other one may import.
+is durable.  Every record and configuration file the project keeps is
+written through :func:`write_atomically` (the node plugin's state, the block
+attachment records, the pool's marker and record, ganesha's files, pid
+files), and removed through :func:`unlink_durably`.
 """
 
 from __future__ import annotations
@@ -18,13 +17,22 @@ import os
 import tempfile
 
 
-def fsync_directory(directory: str | os.PathLike[str]) -> None:
-    """Make the entries of ``directory`` (a rename, an unlink) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _fsync(path: str | os.PathLike[str], flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make the entries of ``directory`` (a rename, a link, an unlink) durable."""
+    _fsync(directory, os.O_DIRECTORY)
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Make the data of the file (or the entries of the directory) ``path`` durable."""
+    _fsync(path, 0)
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o600) -> None:
@@ -48,3 +56,19 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int 
             os.unlink(temp)
         raise
     fsync_directory(directory)
+
+
+def unlink_durably(path: str | os.PathLike[str], missing_ok: bool = False) -> bool:
+    """Remove ``path`` and make the removal durable; whether it was there.
+
+    A record removed without the directory fsynced can come back after a
+    power loss and describe something long gone.
+    """
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        return False
+    fsync_directory(os.path.dirname(os.path.abspath(os.fspath(path))))
+    return True

@@ -1,15 +1,19 @@
-"""nbd.atomicfile: a record is replaced whole, and durably, directory included."""
+"""hostio.atomicfile: a record is replaced whole, and durably, directory included."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nbd import atomicfile
+from hostio import atomicfile
 
 
 def _fd_path(fd: int) -> str:
@@ -55,20 +59,55 @@ def test_mode_is_set_and_no_temporary_file_is_left(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export-1.conf"]
 
 
+def _fsync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+
+
+def _disk_fills_half_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_fdopen = os.fdopen
+
+    class FullDisk(io.BufferedWriter):
+        def write(self, data: Any) -> int:
+            super().write(bytes(data)[: len(data) // 2])
+            self.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fdopen(fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "wb":  # the temporary file: half of the data reaches it
+            return FullDisk(io.FileIO(fd, "wb"))
+        return real_fdopen(fd, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+
+
+@pytest.mark.parametrize("failure", [_fsync_fails, _disk_fills_half_way])
 def test_a_failed_write_leaves_the_old_file_whole_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Callable[[pytest.MonkeyPatch], None]
+) -> None:
+    path = tmp_path / "record.json"
+    path.write_text("old\n")
+    failure(monkeypatch)
+    with pytest.raises(OSError):
+        atomicfile.write_atomically(path, "new content, longer than the old\n")
+    assert path.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+
+
+def test_a_removal_is_made_durable_and_may_be_of_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "record.json"
     path.write_text("old\n")
-
-    def failing_fsync(fd: int) -> None:
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(OSError):
-        atomicfile.write_atomically(path, "new\n")
-    assert path.read_text() == "old\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+    seen: list[str] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.append(_fd_path(fd)))
+    assert atomicfile.unlink_durably(path) is True
+    assert not path.exists() and seen == [str(tmp_path)]
+    assert atomicfile.unlink_durably(path, missing_ok=True) is False
+    with pytest.raises(FileNotFoundError):
+        atomicfile.unlink_durably(path)
 
 
 def test_concurrent_writers_each_leave_one_whole_version(tmp_path: Path) -> None:
