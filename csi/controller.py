@@ -1,16 +1,13 @@
 """The CSI Controller service: volumes, snapshots and publications on the storage nodes.
 
-One file per CSI service, as csi-driver-host-path has it; what the RPCs
-share lives beside it in ``requests``, ``messages``, ``paging``,
-``topology``, ``parameters`` and ``capabilities``, CreateVolume's placement
-and idempotency in ``provisioning``, the storage-node lookups in ``lookups``,
-and the cache of volume types in ``volumekinds``.
+The RPC handlers check the request, hold what they change, and call the
+storage node the id names; building messages, placement and lookups live
+beside them, not inside the handlers.
 
-The controller keeps no state: every id names its storage node
-(``csi/ids.py``), so any replica answers any call.  Each call that changes
-something holds its volume, snapshot or name for its duration; a concurrent
-call for the same one is ABORTED (``csi/locks.py``).  Backend errors keep
-their status code (``csi/errors.py``).
+The controller keeps no state: every id names its storage node, so any
+replica answers any call.  Each call that changes something holds its
+volume, snapshot or name for its duration; a concurrent call for the same
+one is ABORTED.  Backend errors keep their status code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Errors of the CSI plugin, each with the gRPC status code the spec gives it.
 
-Services raise these; ``csi/server.py`` turns them into statuses in one
+Services raise these; the gRPC server turns them into statuses in one
 place.  A failed backend call becomes one of them through
 :func:`from_backend`, keeping the storage node's own code (its API already
 speaks the same codes) and naming the storage node in the message.

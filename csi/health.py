@@ -97,7 +97,7 @@ class HealthServer:
     def stop(self) -> None:
         self.http.shutdown()
         self.http.server_close()
-        self.thread.join()
+        self.thread.join(5)
         self.http.channel.close()
 
 

@@ -4,8 +4,9 @@ Probe answers for this process only: it is ready once the gRPC server
 answers and each of its readiness checks passes (the node plugin's state
 directory is usable).  It never calls a storage node: kubelet restarts a
 container whose liveness probe fails, and one storage node that is down
-must not restart every controller replica.  Storage-node health goes to
-``csi/storagenodehealth.py`` instead.
+must not restart every controller replica.  Storage-node health is
+checked in the background instead, and goes to metrics and volume
+conditions.
 """
 
 from __future__ import annotations

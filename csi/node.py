@@ -1,9 +1,12 @@
 """The CSI Node service: stage once at the global mount, bind into each pod.
 
 The RPCs check their requests, hold the volume for the duration of a call,
-and keep the node state (``csi/nodestate.py``) written *before* each step,
-so a restarted plugin can finish or undo what it started.  The mechanics
-(attach, format, mount, bind) are in ``csi/stage.py``.
+and keep the node state written *before* each step, so a restarted plugin
+can finish or undo what it started.  Building the service touches nothing
+on the host; :meth:`NodeService.recover` (the plugin's start) makes the
+state directory, learns the host's attach paths and reconciles the state
+with what exists.  The mechanics (attach, format, mount, bind) are the
+stage steps', not the handlers'.
 """
 
 from __future__ import annotations
@@ -81,8 +84,13 @@ class NodeService(pb_grpc.NodeServicer):
         storage_nodes: StorageNodes | None = None,
         kubelet_dir: Path = DEFAULT_ROOT,
     ) -> None:
-        """``storage_nodes``: where ephemeral volumes are made (None: not served);
-        ``kubelet_dir``: kubelet's root, under which every path it hands us lies."""
+        """Nothing on the host is looked at or changed here: :meth:`recover` does
+        that, before the service answers a call.
+
+        ``plan``: the attach paths to use (None: probe this host's at
+        :meth:`recover`); ``storage_nodes``: where ephemeral volumes are made
+        (None: not served); ``kubelet_dir``: kubelet's root, under which every
+        path it hands us lies."""
         self.node_id = node_id(name, address)  # ValueError for a bad name or address
         self.me = NodeRef(name, self.node_id.rpartition("@")[2])
         self.storage_nodes = storage_nodes
@@ -91,18 +99,36 @@ class NodeService(pb_grpc.NodeServicer):
         self.io_timeout = config.io_timeout  # a StorageClass's ioTimeout overrides it
         self.paths = KubeletPaths(kubelet_dir)  # ValueError for a relative one
         self.state = NodeState(state_dir)
-        self.plan = plan or attach.probe()
+        self._plan = plan
         self.locks = OperationLocks()
+
+    @property
+    def plan(self) -> attach.Plan:
+        """The block and NFS paths this node uses (known once :meth:`recover` ran)."""
+        if self._plan is None:
+            raise RuntimeError("the node service has not recovered yet: call recover() first")
+        return self._plan
+
+    def recover(self) -> list[str]:
+        """Before serving: make the state directory, learn which attach paths this
+        host has (unless given), and reconcile the node state with what exists
+        (:meth:`reconcile`, each line logged).  OSError when the state directory
+        cannot be made."""
+        self.state.create()
+        if self._plan is None:
+            self._plan = attach.probe()
         log.info(
             "node %s: block path %s (%s); NFS path %s (%s)",
             self.node_id,
-            self.plan.block,
-            self.plan.block_reason,
-            self.plan.nfs,
-            self.plan.nfs_reason,
+            self._plan.block,
+            self._plan.block_reason,
+            self._plan.nfs,
+            self._plan.nfs_reason,
         )
-        for line in self.reconcile():
+        report = self.reconcile()
+        for line in report:
             log.warning("at start: %s", line)
+        return report
 
     def reconcile(self) -> list[str]:
         """What a restart finds: half-made attachments are undone; unreadable

@@ -79,10 +79,15 @@ def _parse(path: Path) -> StagedVolume:
 
 
 class NodeState:
+    """The records under ``state_dir``; nothing is touched until :meth:`create`."""
+
     def __init__(self, state_dir: Path) -> None:
         self.root = state_dir
         self.volumes = state_dir / "volumes"
         self.attach_dir = state_dir / "attach"
+
+    def create(self) -> None:
+        """Make the state directories (0700), if they are not there yet."""
         self.volumes.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.attach_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -120,12 +125,3 @@ class NodeState:
     def all(self) -> list[StagedVolume]:
         """Every readable record (:meth:`scan` also names the unreadable ones)."""
         return self.scan()[0]
-
-    def by_path(self, path: str) -> tuple[StagedVolume, Publication | None] | None:
-        """The volume staged at, or published to, ``path``."""
-        for record in self.all():
-            if record.staging_path == path:
-                return record, None
-            if path in record.published:
-                return record, record.published[path]
-        return None

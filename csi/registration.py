@@ -31,7 +31,7 @@ import grpc
 
 from csi.proto import pluginregistration_pb2 as reg
 from csi.proto import pluginregistration_pb2_grpc as reg_grpc
-from csi.server import DRIVER_NAME, EndpointError, claim_socket
+from csi.server import DRIVER_NAME, EndpointError, claim_socket, stop_grpc
 
 log = logging.getLogger("moorage.csi.registration")
 
@@ -87,11 +87,12 @@ class RegistrationService(reg_grpc.RegistrationServicer):
 @dataclass
 class RunningRegistration:
     server: grpc.Server
+    workers: futures.ThreadPoolExecutor
     path: Path
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving and remove the socket: kubelet then forgets the driver."""
-        self.server.stop(grace).wait()
+        stop_grpc(self.server, self.workers, grace)
         self.path.unlink(missing_ok=True)
 
 
@@ -108,9 +109,8 @@ def serve_registration(directory: Path, service: RegistrationService) -> Running
     for leftover in directory.glob(_STAGING_PREFIX + "*"):  # a start killed half way
         shutil.rmtree(leftover, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=directory))
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration")
-    )
+    workers = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration")
+    server = grpc.server(workers)
     reg_grpc.add_RegistrationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     try:
         bound = staging / "s"
@@ -120,9 +120,9 @@ def serve_registration(directory: Path, service: RegistrationService) -> Running
         server.start()
         bound.rename(path)
     except BaseException:
-        server.stop(None)
+        stop_grpc(server, workers, 0)
         shutil.rmtree(staging, ignore_errors=True)
         raise
     staging.rmdir()
     log.info("kubelet registration socket %s", path)
-    return RunningRegistration(server, path)
+    return RunningRegistration(server, workers, path)

@@ -1,4 +1,4 @@
-"""The CSI plugin's gRPC server: endpoint, services by mode, and what every call passes.
+"""The CSI plugin's gRPC server: its unix socket, and what every call passes.
 
 Every call goes through :class:`CallObserver`: it maps the services' typed
 errors (``csi/errors.py``) to gRPC statuses, writes one log line per call
@@ -183,13 +183,28 @@ def operations_histogram(registry: CollectorRegistry | None = None) -> Histogram
     )
 
 
+def stop_grpc(server: grpc.Server, workers: futures.ThreadPoolExecutor, grace: float) -> None:
+    """Stop ``server``: calls under way get ``grace`` seconds, then are cancelled;
+    its worker threads are waited for as long again, at most (a handler stuck in
+    a mount is left to end on its own)."""
+    server.stop(grace).wait(grace + 1)
+    shutdown = threading.Thread(
+        target=workers.shutdown, kwargs={"cancel_futures": True}, name="grpc-stop", daemon=True
+    )
+    shutdown.start()
+    shutdown.join(grace + 1)
+    if shutdown.is_alive():
+        log.warning("calls still running %.0fs after the server stopped: left to end", grace)
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
+    workers: futures.ThreadPoolExecutor
     path: Path
 
     def stop(self, grace: float = 5.0) -> None:
-        self.server.stop(grace).wait()
+        stop_grpc(self.server, self.workers, grace)
         self.path.unlink(missing_ok=True)
 
 
@@ -201,10 +216,8 @@ def start_server(
     """Serve the services ``add_services`` registers on the endpoint's unix socket."""
     path = socket_path(endpoint)
     claim_socket(path)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
-        interceptors=[CallObserver(operations_histogram(registry))],
-    )
+    workers = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi")
+    server = grpc.server(workers, interceptors=[CallObserver(operations_histogram(registry))])
     add_services(server)
     old_umask = os.umask(0o077)  # the socket is for the sidecars and kubelet (root) only
     try:
@@ -214,7 +227,7 @@ def start_server(
         os.umask(old_umask)
     server.start()
     log.info("serving %s on %s", DRIVER_NAME, path)
-    return RunningServer(server, path)
+    return RunningServer(server, workers, path)
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:
@@ -226,17 +239,18 @@ def host_port(address: str, what: str) -> tuple[str, int]:
     return host or "0.0.0.0", port
 
 
-def start_metrics(address: str, registry: CollectorRegistry | None = None) -> None:
-    """Prometheus metrics over HTTP on HOST:PORT (a daemon thread)."""
+def start_metrics(address: str, registry: CollectorRegistry | None = None) -> Callable[[], None]:
+    """Prometheus metrics over HTTP on HOST:PORT, in a thread; the function that stops it."""
     host, port = host_port(address, "metrics address")
     kwargs: dict[str, Any] = {"addr": host}
     if registry is not None:
         kwargs["registry"] = registry
-    start_http_server(port, **kwargs)
+    http, thread = start_http_server(port, **kwargs)
     log.info("metrics on http://%s/metrics", address)
 
+    def stop() -> None:
+        http.shutdown()
+        http.server_close()
+        thread.join(5)
 
-def wait_for_signal(stop: threading.Event) -> None:
-    """Block until ``stop`` is set (by a signal handler)."""
-    while not stop.wait(3600):
-        pass
+    return stop

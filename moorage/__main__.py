@@ -1,3 +1,5 @@
+"""``python -m moorage``: the ``moorage`` command line."""
+
 from moorage.cli import main
 
 main()

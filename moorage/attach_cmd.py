@@ -185,6 +185,7 @@ def attach_watch(state_dir: Path = _STATE_DIR) -> None:
     """
     with _errors("attach watch"):
         reconnector = attach.Reconnector(state_dir)
+        reconnector.open()
     stop = threading.Event()
 
     def stopping(signum: int, frame: object) -> None:

@@ -78,8 +78,3 @@ def command(only: str | None = None) -> Any:
 
 def main() -> None:
     command(_command_word(sys.argv[1:]))(prog_name="moorage")
-
-
-# The full application, for tools that introspect it (tests, docs).
-def full_app() -> typer.Typer:
-    return build_app()

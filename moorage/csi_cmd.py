@@ -8,10 +8,14 @@
 csi-attacher, csi-resizer, csi-snapshotter); ``node`` serves Identity and
 Node (beside node-driver-registrar, or registering itself with kubelet given
 ``--registration-dir``); ``all`` serves the three (development and
-csi-sanity).  ``--health-address`` serves the ``/healthz`` the livenessprobe
-sidecar would.  The configuration file is described in ``csi/config.py`` and
-docs/csi.md.  The node plugin starts only if its mounts under ``--kubelet-dir``
-reach the host (a shared mount: Bidirectional propagation in a pod).
+csi-sanity).  The configuration file is described in docs/csi.md.
+
+This module owns the options: it checks those that go together, reads the
+configuration file and builds the plugin's configuration from both; the
+plugin itself (``csi.plugin``) starts and stops what the mode serves.  A
+plugin that cannot start is one line on stderr and exit status 2; it runs
+until SIGTERM or SIGINT, and a registration kubelet refused ends it with
+status 1.
 """
 
 from __future__ import annotations
@@ -19,13 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-import grpc
 import typer
 
 from moorage.output import CANNOT_START, fail
@@ -106,185 +105,80 @@ def serve(
     """Serve the CSI plugin until SIGTERM or SIGINT."""
     from csi.config import ConfigError, PluginConfig, load_config
     from csi.config import node_address as check_address
-    from csi.server import MODES, EndpointError, host_port, start_metrics, start_server
+    from csi.plugin import Plugin, ServeConfig, StartError
+    from csi.server import EndpointError, host_port
 
-    if mode not in MODES:
-        raise _fail(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
-    kubelet_path = _registration_args(mode, registration_dir, kubelet_registration_path)
+    kubelet_path = _registration_args(registration_dir, kubelet_registration_path)
     if health_address:
         try:
             host_port(health_address, "--health-address")
         except EndpointError as e:
             raise _fail(str(e)) from None
     try:
-        config = load_config(config_file) if config_file else PluginConfig(storage_nodes=())
+        file = load_config(config_file) if config_file else PluginConfig(storage_nodes=())
         address = check_address(node_address, "--node-address") if node_address else None
     except ConfigError as e:
         raise _fail(str(e)) from None
-    if mode in ("controller", "all") and not config.storage_nodes:
-        raise _fail(f"--mode {mode} needs a --config naming at least one storage node")
-    services: list[Any] = []
-    from csi.identity import IdentityService, ReadinessCheck, directory_usable
-    from csi.proto import csi_pb2_grpc as pb_grpc
-
-    storage_nodes = None
-    if mode in ("controller", "all"):
-        from csi.controller import ControllerService
-        from csi.storagenodes import StorageNodes
-
-        storage_nodes = StorageNodes(config)
-        services.append(
-            (pb_grpc.add_ControllerServicer_to_server, ControllerService(storage_nodes))
-        )
-    # Probe answers for this process only, never for a storage node (csi/identity.py)
-    checks: list[ReadinessCheck] = []
     if mode in ("node", "all"):
-        checks.append(directory_usable(state_dir, "state directory"))
-    identity = IdentityService(controller=storage_nodes is not None, checks=checks)
-    services.append((pb_grpc.add_IdentityServicer_to_server, identity))
-    kernel_nbd_dir: Path | None = None  # the node's kernel nbd devices are watched
-    if mode in ("node", "all"):
-        from csi.node import NodeService
-
-        address = address or config.node.address
-        from fuse.cgroup import ENV as FUSE_CGROUP_ENV
-        from fuse.cgroup import CgroupError, check_name
-
-        try:
-            if os.environ.get(FUSE_CGROUP_ENV):
-                check_name(os.environ[FUSE_CGROUP_ENV])
-        except CgroupError as e:
-            raise _fail(str(e)) from None
-        if not node_id or not address:
-            raise _fail(f"--mode {mode} needs --node-id and --node-address (or node.address)")
-        # before anything is mounted: a restart must not strand what it cannot reach
-        _check_propagation(kubelet_dir, allow_private_mounts)
-        try:
-            ephemeral_nodes = storage_nodes
-            if ephemeral_nodes is None and config.storage_nodes:
-                from csi.storagenodes import StorageNodes
-
-                ephemeral_nodes = StorageNodes(config)
-            node = NodeService(
-                node_id,
-                address,
-                config.node,
-                state_dir,
-                storage_nodes=ephemeral_nodes,
-                kubelet_dir=kubelet_dir,
-            )
-            services.append((pb_grpc.add_NodeServicer_to_server, node))
-            if node.plan.block == "kernel-nbd":
-                kernel_nbd_dir = node.state.attach_dir
-        except (ValueError, OSError) as e:
-            raise _fail(str(e)) from None
-
-    def add(server: grpc.Server) -> None:
-        for register, service in services:
-            register(service, server)
-
-    stop = threading.Event()
-    refusals: list[str] = []
-
-    def on_refused(reason: str) -> None:
-        refusals.append(reason)
-        stop.set()
+        _check_fuse_cgroup()
+    config = ServeConfig(
+        endpoint=endpoint,
+        file=file,
+        node_id=node_id,
+        node_address=address,
+        state_dir=state_dir,
+        kubelet_dir=kubelet_dir,
+        allow_private_mounts=allow_private_mounts,
+        registration_dir=registration_dir,
+        kubelet_registration_path=kubelet_path,
+        health_address=health_address,
+        metrics_address=metrics_address,
+        storage_node_check_interval=check_interval,
+    )
+    try:
+        plugin = Plugin(config, mode)
+    except StartError as e:
+        raise _fail(str(e)) from None
 
     def on_signal(signum: int, frame: object) -> None:
         log.info("signal %d: stopping", signum)
-        stop.set()
+        plugin.request_stop()
 
     # set before anything serves, so that a signal meanwhile still cleans up
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # what is started is stopped in reverse: kubelet's registration first
-    running = ExitStack()
     try:
-        if metrics_address:
-            start_metrics(metrics_address)
-        running.callback(start_server(endpoint, add).stop)
-        if storage_nodes is not None:
-            from csi.storagenodehealth import StorageNodeHealth
-
-            watch = StorageNodeHealth(storage_nodes, check_interval)
-            watch.start()
-            running.callback(watch.stop)
-        if kernel_nbd_dir is not None:
-            running.callback(_watch_kernel_nbd(kernel_nbd_dir))
-        if health_address:
-            from csi.health import start_health
-
-            running.callback(start_health(health_address, endpoint).stop)
-        if registration_dir is not None and kubelet_path is not None:
-            from csi.registration import RegistrationService, serve_registration
-
-            registration = RegistrationService(kubelet_path, on_refused)
-            running.callback(serve_registration(registration_dir, registration).stop)
-    except (EndpointError, OSError) as e:
-        running.close()
+        plugin.start()
+    except StartError as e:
         raise _fail(str(e)) from None
-
-    log.info("csi plugin in %s mode", mode)
-    stop.wait()
-    running.close()
-    if storage_nodes is not None:
-        storage_nodes.close()
-    if refusals:
+    try:
+        plugin.wait()
+    finally:
+        plugin.stop()
+    if plugin.refusal is not None:
         # as node-driver-registrar does: the container restarts and kubelet retries
-        log.error("stopping: kubelet refused the registration (%s)", refusals[0])
+        log.error("stopping: kubelet refused the registration (%s)", plugin.refusal)
         raise typer.Exit(1)
 
 
-def _watch_kernel_nbd(attach_dir: Path) -> Callable[[], None]:
-    """Reconnect this node's kernel nbd devices when their storage node comes back
-    (csi.attach.reconnect); the function that stops it."""
-    from csi import attach
+def _check_fuse_cgroup() -> None:
+    """A bad ``MOORAGE_FUSE_CGROUP`` stops the node plugin before it starts."""
+    from fuse.cgroup import ENV, CgroupError, check_name
 
     try:
-        reconnector = attach.Reconnector(attach_dir)
-    except attach.AttachError as e:
-        log.warning("kernel nbd devices will not be reconnected: %s", e)
-        return lambda: None
-    thread = reconnector.start_thread()
-
-    def stop() -> None:
-        reconnector.stop()
-        thread.join(10)
-        reconnector.close()
-
-    return stop
-
-
-def _check_propagation(kubelet_dir: Path, allow_private: bool) -> None:
-    """Refuse to start when mounts under ``kubelet_dir`` would not reach kubelet."""
-    from csi.mounts import PropagationError, check_propagation
-
-    if not kubelet_dir.is_absolute():
-        raise _fail(f"--kubelet-dir {str(kubelet_dir)[:80]!r} is not an absolute path")
-    if allow_private:
-        log.warning("--allow-private-mounts: mount propagation of %s is not checked", kubelet_dir)
-        return
-    try:
-        entry = check_propagation(kubelet_dir)
-    except PropagationError as e:
+        if os.environ.get(ENV):
+            check_name(os.environ[ENV])
+    except CgroupError as e:
         raise _fail(str(e)) from None
-    log.info(
-        "mounts under %s propagate (mount %s, peer group %s)",
-        kubelet_dir,
-        entry.mount_point,
-        entry.peer_group,
-    )
 
 
-def _registration_args(mode: str, directory: Path | None, kubelet_path: str | None) -> str | None:
+def _registration_args(directory: Path | None, kubelet_path: str | None) -> str | None:
     """The checked ``--kubelet-registration-path``, or None without ``--registration-dir``."""
     from csi.registration import kubelet_endpoint
     from csi.server import EndpointError
 
     if directory is None and kubelet_path is None:
         return None
-    if mode == "controller":
-        raise _fail("--registration-dir is for the node plugin (--mode node or all)")
     if directory is None:
         raise _fail("--kubelet-registration-path is used only with --registration-dir")
     if kubelet_path is None:

@@ -1,19 +1,15 @@
 """Attaching NBD exports as block devices and mounting NFS exports on this node.
 
-Each has a kernel path and a FUSE fallback; one module a job:
+Each has a kernel path (kernel nbd, the kernel's NFS client) and a FUSE
+fallback for hosts without the module; which one this host uses, and why,
+is a :class:`Plan`.  Block attachments are recorded under a state
+directory, so that a restarted node plugin or ``moorage attach`` finds,
+reconnects and detaches what it attached.  Everything that fails raises
+:class:`AttachError` (:class:`PathUnavailable` for a path this host cannot
+use).
 
-- ``paths``: which block path (kernel-nbd or fuse-loop) and NFS path
-  (kernel-nfs or fuse-nfs) this host uses, and why (:func:`probe`, a
-  :class:`Plan`), or the one configuration forces;
-- ``block``: attach, detach, refresh and check block devices, remembered
-  under a state directory;
-- ``nfs``: mount and unmount NFS exports;
-- ``errors``: :class:`AttachError`, and :class:`PathUnavailable` for a path
-  this host cannot use.
-
-This package's names are the API the node plugin, the stage steps and
-``moorage attach|mount`` use, so they are gathered here; each is defined in
-the module above that holds its job.
+The names here are what the node plugin, the stage steps and ``moorage
+attach|mount`` use; the package's modules are its inside.
 """
 
 from __future__ import annotations
@@ -29,19 +25,12 @@ from csi.attach.block import (
 )
 from csi.attach.errors import AttachError, PathUnavailable
 from csi.attach.nfs import (
-    FUSE_NFS_FSTYPE,
     NFS_PORT,
     mount_nfs_export,
     unmount_nfs,
     validate_export,
 )
 from csi.attach.paths import (
-    BLOCK_PATH_ENV,
-    BLOCK_PATHS,
-    NFS_PATH_ENV,
-    NFS_PATHS,
-    BlockPath,
-    NFSPath,
     Plan,
     max_volumes,
     probe,
@@ -49,16 +38,9 @@ from csi.attach.paths import (
 from csi.attach.reconnect import Reconnector
 
 __all__ = [
-    "BLOCK_PATHS",
-    "BLOCK_PATH_ENV",
-    "FUSE_NFS_FSTYPE",
-    "NFS_PATHS",
-    "NFS_PATH_ENV",
     "NFS_PORT",
     "AttachError",
     "BlockAttachment",
-    "BlockPath",
-    "NFSPath",
     "PathUnavailable",
     "Plan",
     "Reconnector",

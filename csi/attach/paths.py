@@ -28,7 +28,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final, Literal, get_args
+from typing import Final, Literal
 
 from csi.attach.errors import PathUnavailable
 from hostio import tools
@@ -36,8 +36,6 @@ from nbd import kernel as nbd_kernel
 
 BlockPath = Literal["kernel-nbd", "fuse-loop"]
 NFSPath = Literal["kernel-nfs", "fuse-nfs"]
-BLOCK_PATHS: Final[tuple[str, ...]] = get_args(BlockPath)
-NFS_PATHS: Final[tuple[str, ...]] = get_args(NFSPath)
 
 BLOCK_PATH_ENV: Final = "MOORAGE_BLOCK_PATH"
 NFS_PATH_ENV: Final = "MOORAGE_NFS_PATH"

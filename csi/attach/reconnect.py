@@ -63,11 +63,17 @@ class Reconnector:
         retry: float = RETRY,
         connect: Callable[[str, str], None] = reconnect,
     ) -> None:
+        """Nothing is opened here: :meth:`open` does, before :meth:`run`."""
         self.state_dir = state_dir
         self.retry = retry
         self._connect = connect
         self._stopping = threading.Event()
         self._pending: dict[str, str] = {}  # device -> uri, still to reconnect
+        self._monitor: LinkDeadMonitor | None = None
+
+    def open(self) -> None:
+        """Start listening for dead links (the nbd module loaded if it can be);
+        AttachError when this kernel cannot say."""
         try:
             support = nbd_kernel.probe_kernel_nbd(load_module=True)
             if support.family is None:
@@ -80,7 +86,9 @@ class Reconnector:
         self._stopping.set()
 
     def close(self) -> None:
-        self._monitor.close()
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
 
     def _note_dead(self, indices: list[int]) -> None:
         records = {a.device: a.uri for a in kernel_attachments(self.state_dir)}
@@ -113,6 +121,8 @@ class Reconnector:
 
     def run(self) -> None:
         """Until :meth:`stop`: wait for dead links, reconnect what is pending."""
+        if self._monitor is None:
+            raise RuntimeError("the reconnector is not open: call open() first")
         while not self._stopping.is_set():
             dead = self._monitor.wait(self.retry if self._pending else 1.0)
             if dead:

@@ -1,23 +1,16 @@
 """Mounts, bind mounts and filesystems on a node: the tools, run safely.
 
-The node's disk mechanics, one job a module:
+What is mounted where (the mount table), mounting, bind-mounting and
+unmounting, idempotently; whether mounts made under kubelet's directory
+reach the host; making a filesystem only on a blank device, and growing
+one.  Every tool runs from an argv list with a timeout, in the C locale,
+with mount options from an allowlist; a tool that fails is a
+:class:`MountError` (argv, exit status, stderr), a device or mount in a
+state the operation must not touch a :class:`FilesystemError` (nothing
+changed).
 
-- ``tools``: running mount, umount, blkid, mkfs, e2fsck, resize2fs and
-  xfs_growfs from argv lists, with a timeout, in the C locale;
-- ``validation``: what may go into their argv (mount options from an
-  allowlist, filesystem types, paths, devices);
-- ``table``: what is mounted where (``/proc/self/mountinfo``);
-- ``mounting``: mount, bind mount, read-only remount, unmount;
-- ``propagation``: whether mounts made under a directory reach the host
-  (kubelet's directory, checked when the node plugin starts);
-- ``filesystems``: detect, format (only a blank device), grow, check;
-- ``errors``: :class:`MountError` (a tool failed: argv, exit status,
-  stderr), :class:`FilesystemError` (a device or mount in a state the
-  operation must not touch; nothing changed), :class:`MountOptionError`.
-
-This package's names are the API the node plugin, the stage steps and
-``moorage attach|mount`` use, so they are gathered here; each is defined in
-the module above that holds its job.
+The names here are what the node plugin, the stage steps and ``moorage
+attach|mount`` use; the package's modules are its inside.
 """
 
 from __future__ import annotations
@@ -30,13 +23,10 @@ from csi.mounts.errors import (
 )
 from csi.mounts.filesystems import (
     FSTYPES,
-    FsckResult,
-    Fstype,
     detect_filesystem,
     device_bytes,
     filesystem_bytes,
     format_device,
-    fsck,
     grow_filesystem,
     grow_filesystem_offline,
 )
@@ -50,27 +40,20 @@ from csi.mounts.mounting import (
 )
 from csi.mounts.propagation import PropagationError, check_propagation
 from csi.mounts.table import (
-    MountInfo,
-    is_mount_point,
-    mount_containing,
     mount_entries,
     mount_entry,
-    mount_info,
     mounts_of_device,
     resolve_to_mount_point,
 )
 from csi.mounts.validation import validate_options
-from hostio.mountinfo import MountEntry, parse_mountinfo
+from hostio.mountinfo import MountEntry
 
 __all__ = [
     "FSTYPES",
     "MOUNT_FLAGS",
     "FilesystemError",
-    "FsckResult",
-    "Fstype",
     "MountEntry",
     "MountError",
-    "MountInfo",
     "MountOptionError",
     "OnlineGrowUnsupported",
     "PropagationError",
@@ -80,17 +63,12 @@ __all__ = [
     "device_bytes",
     "filesystem_bytes",
     "format_device",
-    "fsck",
     "grow_filesystem",
     "grow_filesystem_offline",
-    "is_mount_point",
     "mount",
-    "mount_containing",
     "mount_entries",
     "mount_entry",
-    "mount_info",
     "mounts_of_device",
-    "parse_mountinfo",
     "resolve_to_mount_point",
     "set_mount_flags",
     "set_read_only",

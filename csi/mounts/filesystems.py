@@ -1,4 +1,4 @@
-"""Filesystems on a node's block devices: detect, format, grow, check.
+"""Filesystems on a node's block devices: detect, format, grow.
 
 Choices:
 
@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import stat
-from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
 from csi.mounts import tools
@@ -263,29 +262,3 @@ def grow_filesystem_offline(
     # 0: clean, 1: errors corrected; anything else needs a person
     tools.run(["e2fsck", "-f", "-p", dev], FSCK_TIMEOUT, ok=(0, 1))
     tools.run(["resize2fs", dev], timeout)
-
-
-@dataclass(frozen=True, slots=True)
-class FsckResult:
-    """A check-only fsck: whether the filesystem is clean, and what the tool said."""
-
-    clean: bool
-    output: str
-
-
-def fsck(
-    device: str | os.PathLike[str], fstype: str, *, timeout: float = FSCK_TIMEOUT
-) -> FsckResult:
-    """Check an unmounted filesystem without changing it (``e2fsck -f -n``, ``xfs_repair -n``)."""
-    dev = validate_device(device)
-    fs = _validate_fs(fstype)
-    _refuse_if_mounted(dev, "checking it")
-    if fs == "ext4":
-        # 0: clean, 4: errors left uncorrected (-n corrects nothing)
-        result = tools.run(["e2fsck", "-f", "-n", dev], timeout, ok=(0, 4))
-        clean = result.returncode == 0
-    else:
-        # 0: clean, 1: corruption found
-        result = tools.run(["xfs_repair", "-n", dev], timeout, ok=(0, 1))
-        clean = result.returncode == 0
-    return FsckResult(clean, (result.stdout + result.stderr).strip())

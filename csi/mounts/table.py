@@ -10,20 +10,11 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import NamedTuple
 
 from csi.mounts.errors import FilesystemError
 from hostio.mountinfo import MountEntry, parse_mountinfo, topmost
 
 MOUNTINFO = Path("/proc/self/mountinfo")  # module level so tests can point elsewhere
-
-
-class MountInfo(NamedTuple):
-    """What is mounted on a path: source, filesystem type, effective options."""
-
-    source: str
-    fstype: str
-    options: tuple[str, ...]
 
 
 def mount_entries() -> list[MountEntry]:
@@ -77,32 +68,6 @@ def mount_containing(path: str | os.PathLike[str]) -> MountEntry | None:
     fields = dict(line.split(":", 1) for line in fdinfo.splitlines() if ":" in line)
     mount_id = int(fields["mnt_id"])
     return next((e for e in mount_entries() if e.mount_id == mount_id), None)
-
-
-def is_mount_point(path: str | os.PathLike[str]) -> bool:
-    """Whether something (a filesystem, a bind mount of a directory or file) is mounted on path."""
-    return mount_entry(path) is not None
-
-
-def mount_info(path: str | os.PathLike[str]) -> MountInfo | None:
-    """(source, fstype, options) of the mount on ``path``; None if nothing is mounted there.
-
-    Options are the mount's own followed by the superblock's; "ro" if either is read-only.
-    """
-    entry = mount_entry(path)
-    if entry is None:
-        return None
-    options = list(entry.mount_options)
-    for option in entry.super_options:
-        if option in ("ro", "rw"):
-            continue
-        if option not in options:
-            options.append(option)
-    if entry.read_only:
-        options = ["ro" if o == "rw" else o for o in options]
-        if "ro" not in options:
-            options.insert(0, "ro")
-    return MountInfo(entry.source, entry.fstype, tuple(options))
 
 
 def _device_number(device: str) -> int:

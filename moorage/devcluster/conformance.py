@@ -78,10 +78,6 @@ class Counts:
     skipped: int = 0
     failures: list[str] = field(default_factory=list)
 
-    @property
-    def ran(self) -> int:
-        return self.passed + self.failed
-
 
 def read_junit(path: Path) -> Counts:
     """Pass, fail and skip counts of the specs (``[It] ...``) in a ginkgo JUnit

@@ -39,12 +39,12 @@ import pytest
 from typer.testing import CliRunner
 
 from csi import attach, mounts
-from moorage.cli import full_app
+from moorage.cli import build_app
 from nbd import kernel as nbd_kernel
 from tests.conftest import REPO, NBDServerFactory, run, sparse_image
 from tests.integration.test_fuse_nfs import Ganesha, running_ganesha
 
-app = full_app()
+app = build_app()
 MiB = 1 << 20
 TIMEOUT = 60
 
@@ -56,7 +56,7 @@ def moorage(
     base = {
         k: v
         for k, v in os.environ.items()
-        if k not in (attach.BLOCK_PATH_ENV, attach.NFS_PATH_ENV, "MOORAGE_ATTACH_STATE_DIR")
+        if k not in ("MOORAGE_BLOCK_PATH", "MOORAGE_NFS_PATH", "MOORAGE_ATTACH_STATE_DIR")
     }
     result = subprocess.run(
         [sys.executable, "-m", "moorage", *args],
@@ -94,12 +94,12 @@ def test_probe_on_this_host_picks_the_fuse_paths_and_says_why() -> None:
 
 
 def test_forcing_a_path_this_host_lacks_fails_with_the_reason(tmp_path: Path) -> None:
-    result = moorage("attach", "probe", env={attach.BLOCK_PATH_ENV: "kernel-nbd"}, check=False)
+    result = moorage("attach", "probe", env={"MOORAGE_BLOCK_PATH": "kernel-nbd"}, check=False)
     assert result.returncode == 1
     assert "MOORAGE_BLOCK_PATH=kernel-nbd cannot be used on this host" in result.stderr
     assert "kernel nbd unavailable" in result.stderr
 
-    result = moorage("attach", "probe", env={attach.NFS_PATH_ENV: "kernel-nfs"}, check=False)
+    result = moorage("attach", "probe", env={"MOORAGE_NFS_PATH": "kernel-nfs"}, check=False)
     assert result.returncode == 1
     assert "MOORAGE_NFS_PATH=kernel-nfs cannot be used on this host" in result.stderr
 
@@ -111,20 +111,20 @@ def test_forcing_a_path_this_host_lacks_fails_with_the_reason(tmp_path: Path) ->
         "nbd://127.0.0.1:1/x",
         "--state-dir",
         str(state),
-        env={attach.BLOCK_PATH_ENV: "kernel-nbd"},
+        env={"MOORAGE_BLOCK_PATH": "kernel-nbd"},
         check=False,
     )
     assert result.returncode == 1 and "kernel nbd unavailable" in result.stderr
     assert not state.exists()
 
-    result = moorage("attach", "probe", env={attach.BLOCK_PATH_ENV: "bogus"}, check=False)
+    result = moorage("attach", "probe", env={"MOORAGE_BLOCK_PATH": "bogus"}, check=False)
     assert result.returncode == 1
     assert "expected auto, kernel-nbd or fuse-loop" in result.stderr
 
 
 def test_forcing_an_available_path_says_so() -> None:
     out = moorage(
-        "attach", "probe", env={attach.BLOCK_PATH_ENV: "fuse-loop", attach.NFS_PATH_ENV: "auto"}
+        "attach", "probe", env={"MOORAGE_BLOCK_PATH": "fuse-loop", "MOORAGE_NFS_PATH": "auto"}
     ).stdout
     assert "forced by MOORAGE_BLOCK_PATH" in out
     assert "nfs: fuse-nfs" in out
@@ -163,16 +163,10 @@ def test_unmount_refuses_what_is_not_nfs(tmp_path: Path) -> None:
         result = runner.invoke(app, ["unmount", str(target)])
         assert result.exit_code == 1
         assert "is not an NFS mount" in result.stderr
-        assert mounts.is_mount_point(target)
+        assert mounts.mount_entry(target) is not None
     finally:
         mounts.unmount(target)
     assert invoke("unmount", str(target)).exit_code == 0  # nothing mounted: no-op
-
-
-def test_the_fuse_nfs_type_matches_fuse_nfsmount() -> None:
-    from fuse import nfsmount
-
-    assert f"fuse.{nfsmount.FSTYPE}" == attach.FUSE_NFS_FSTYPE
 
 
 # ------------------------------------------------------------------ end to end: block
@@ -274,7 +268,7 @@ def nfs_mountpoint(ganesha: Ganesha) -> Iterator[Path]:
     try:
         yield mountpoint
     finally:
-        if mounts.is_mount_point(mountpoint):
+        if mounts.mount_entry(mountpoint) is not None:
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], timeout=30, check=False)
         for pid in mount_processes(mountpoint):
             with contextlib.suppress(ProcessLookupError):
@@ -294,8 +288,8 @@ def test_an_nfs_export_mounted_and_unmounted_through_the_cli(
     spec = f"127.0.0.1:{ganesha.core.nfs_port}:{ganesha.export.pseudo}"
     options = ["--mount-port", str(ganesha.mount_port), "--state-dir", str(ganesha.base / "state")]
     moorage("mount", "nfs", spec, str(nfs_mountpoint), *options)
-    info = mounts.mount_info(nfs_mountpoint)
-    assert info is not None and info.fstype == attach.FUSE_NFS_FSTYPE
+    entry = mounts.mount_entry(nfs_mountpoint)
+    assert entry is not None and entry.fstype == "fuse.moorage-nfs"
     assert len(mount_processes(nfs_mountpoint)) == 1  # it outlived the command that started it
     assert list((ganesha.base / "state" / "fuse-nfs").glob(f"{nfs_mountpoint.name}-*.log"))
 
@@ -308,7 +302,7 @@ def test_an_nfs_export_mounted_and_unmounted_through_the_cli(
     assert len([e for e in mounts.mount_entries() if e.mount_point == str(nfs_mountpoint)]) == 1
 
     moorage("unmount", str(nfs_mountpoint))
-    assert not mounts.is_mount_point(nfs_mountpoint)
+    assert mounts.mount_entry(nfs_mountpoint) is None
     wait_gone(nfs_mountpoint)
     moorage("unmount", str(nfs_mountpoint))  # again: no-op
     (ganesha.directory / name).unlink()
@@ -326,7 +320,7 @@ def test_unmount_never_looks_into_the_mount(ganesha: Ganesha, nfs_mountpoint: Pa
     try:
         time.sleep(2)  # past the mount's attribute cache: a stat would reach the process
         moorage("unmount", str(nfs_mountpoint))  # within the helper's timeout
-        assert not mounts.is_mount_point(nfs_mountpoint)
+        assert mounts.mount_entry(nfs_mountpoint) is None
     finally:
         os.kill(process, signal.SIGCONT)
     wait_gone(nfs_mountpoint)
@@ -352,7 +346,7 @@ def test_a_read_only_nfs_mount_refuses_writes(ganesha: Ganesha, nfs_mountpoint: 
     assert caught.value.errno == errno.EROFS
     assert not (ganesha.directory / "nope.txt").exists()
     moorage("unmount", str(nfs_mountpoint))
-    assert not mounts.is_mount_point(nfs_mountpoint)
+    assert mounts.mount_entry(nfs_mountpoint) is None
     wait_gone(nfs_mountpoint)
     (ganesha.directory / "ro-visible.txt").unlink()
 
@@ -372,4 +366,4 @@ def test_a_refused_nfs_mount_says_why(ganesha: Ganesha, nfs_mountpoint: Path) ->
     )
     assert result.returncode == 1
     assert "MNT3ERR_ACCES" in result.stderr
-    assert not mounts.is_mount_point(nfs_mountpoint)
+    assert mounts.mount_entry(nfs_mountpoint) is None

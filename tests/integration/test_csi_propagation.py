@@ -41,7 +41,7 @@ def kubelet_dir(tmp_path: Path) -> Iterator[Path]:
         ):
             if run(["umount", "--", target], check=False).returncode != 0:
                 run(["umount", "-l", "--", target], check=False)
-        assert not mounts.is_mount_point(path)
+        assert mounts.mount_entry(path) is None
 
 
 def serve(root: Path, kubelet: Path, propagation: str, *extra: str) -> list[str]:

@@ -42,7 +42,7 @@ def test_awkward_mount_points_are_found_by_every_layer(disks: Disks) -> None:
         entry = entries[str(point)]
         assert (entry.fstype, entry.source) == ("tmpfs", "moorage test")
         assert backend_view[point] == "moorage test"
-        assert mounts.is_mount_point(point)
+        assert mounts.mount_entry(point) is not None
 
 
 def test_a_loop_device_mounted_on_an_awkward_name_is_found_by_its_number(disks: Disks) -> None:

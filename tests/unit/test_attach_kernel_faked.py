@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 from csi import attach
 from csi.attach import block, paths
 from csi.mounts import tools
-from moorage.cli import full_app
+from moorage.cli import build_app
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
 
-app = full_app()
+app = build_app()
 runner = CliRunner()
 
 
@@ -45,7 +45,7 @@ def fake_kernel_nbd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeKern
     sys_block = tmp_path / "sys-block"
     sys_block.mkdir()
     fake = FakeKernel([], [], [])
-    monkeypatch.delenv(attach.BLOCK_PATH_ENV, raising=False)
+    monkeypatch.delenv("MOORAGE_BLOCK_PATH", raising=False)
     monkeypatch.setattr(
         nbd_kernel,
         "kernel_nbd_available",
@@ -146,7 +146,7 @@ def kernel_nfs_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[lis
     helper = tmp_path / "mount.nfs4"
     helper.write_text("#!/bin/sh\nexit 0\n")
     helper.chmod(0o755)
-    monkeypatch.delenv(attach.NFS_PATH_ENV, raising=False)
+    monkeypatch.delenv("MOORAGE_NFS_PATH", raising=False)
     monkeypatch.setattr(paths, "PROC_FILESYSTEMS", filesystems)
     monkeypatch.setattr(paths, "MOUNT_NFS4", (helper,))
     calls: list[list[str]] = []
@@ -224,7 +224,7 @@ def test_bad_nfs_exports_are_refused(
 def test_a_host_with_no_path_at_all_says_so(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv(attach.BLOCK_PATH_ENV, raising=False)
+    monkeypatch.delenv("MOORAGE_BLOCK_PATH", raising=False)
     monkeypatch.setattr(paths, "DEV_FUSE", tmp_path / "no-fuse")
     monkeypatch.setattr(
         nbd_kernel, "kernel_nbd_available", lambda **_: (False, "kernel nbd unavailable: test")

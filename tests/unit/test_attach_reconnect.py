@@ -34,7 +34,9 @@ def reconnector(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> reconnect.Re
         lambda _: [BlockAttachment(device="/dev/nbd3", uri=URI, path="kernel-nbd")],
     )  # fmt: skip
     monkeypatch.setattr(reconnect, "kernel_connected", lambda device: True)
-    return reconnect.Reconnector(tmp_path)
+    reconnector = reconnect.Reconnector(tmp_path)
+    reconnector.open()
+    return reconnector
 
 
 def test_a_dead_device_of_ours_is_retried_until_its_server_answers(

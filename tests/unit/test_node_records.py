@@ -25,6 +25,7 @@ URI = "nbd://127.0.0.1:10809/vol-a@node-a"
 
 def test_an_unreadable_record_is_named_not_taken_for_nothing_staged(tmp_path: Path) -> None:
     state = NodeState(tmp_path)
+    state.create()
     state.put(StagedVolume("vol-a", "/k/a", "nbd", "mount", uri=URI))
     state.put(StagedVolume("vol-b", "/k/b", "nfs", "mount"))
     damaged = next(p for p in state.volumes.glob("*.json") if "vol-b" in p.read_text())
@@ -42,6 +43,7 @@ def test_an_unreadable_record_is_named_not_taken_for_nothing_staged(tmp_path: Pa
 @pytest.mark.parametrize("content", ["[]", '{"volume_id": "x"}', '{"published": 3}', "\xff"])
 def test_records_of_the_wrong_shape_are_unreadable(tmp_path: Path, content: str) -> None:
     state = NodeState(tmp_path)
+    state.create()
     (state.volumes / "0.json").write_text(content, errors="surrogateescape")
     assert state.all() == []
     assert len(state.scan()[1]) == 1
@@ -49,6 +51,7 @@ def test_records_of_the_wrong_shape_are_unreadable(tmp_path: Path, content: str)
 
 def test_records_are_written_whole_and_removed(tmp_path: Path) -> None:
     state = NodeState(tmp_path)
+    state.create()
     record = StagedVolume("vol-a", "/k/a", "nbd", "mount", uri=URI)
     state.put(record)
     assert state.get("vol-a") == record
