@@ -8,6 +8,7 @@ not carry the storage node's gRPC, SQLAlchemy and Alembic in its memory.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 from typing import Any
@@ -23,14 +24,27 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "volume": ("moorage.admin_cmd", "volume_app", "group"),
     "snapshot": ("moorage.admin_cmd", "snapshot_app", "group"),
     "pool": ("moorage.admin_cmd", "pool_app", "group"),
-    "demo": ("moorage.demo", "demo", "command"),
     "attach": ("moorage.attach_cmd", "attach_app", "group"),
     "detach": ("moorage.attach_cmd", "detach", "command"),
     "mount": ("moorage.attach_cmd", "mount_app", "group"),
     "unmount": ("moorage.attach_cmd", "unmount", "command"),
     "csi": ("moorage.csi_cmd", "app", "group"),
-    "dev": ("moorage.dev_cmd", "app", "group"),
 }
+# The developer's commands live in ``moorage_dev``: a source checkout has them,
+# the container image does not (deploy/image/build.sh leaves the package out).
+DEV_PACKAGE = "moorage_dev"
+DEV_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("moorage_dev.demo", "demo", "command"),
+    "dev": ("moorage_dev.dev_cmd", "app", "group"),
+}
+
+
+def available_commands() -> dict[str, tuple[str, str, str]]:
+    """Every command this installation has: the developer's ones only where
+    their package is installed."""
+    if importlib.util.find_spec(DEV_PACKAGE) is None:
+        return dict(COMMANDS)
+    return {**COMMANDS, **DEV_COMMANDS}
 
 
 def _root(
@@ -51,10 +65,11 @@ def build_app(only: str | None = None) -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     app.callback()(_root)
-    names = [only] if only in COMMANDS else list(COMMANDS)
+    commands = available_commands()
+    names = [only] if only in commands else list(commands)
     for name in names:
         assert name is not None
-        module, attribute, kind = COMMANDS[name]
+        module, attribute, kind = commands[name]
         target = getattr(importlib.import_module(module), attribute)
         if kind == "group":
             app.add_typer(target, name=name)

@@ -21,9 +21,10 @@ trap 'rm -rf "$work"' EXIT
 export PIP_CONFIG_FILE=/dev/null
 unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_NO_INDEX
 
-# built from a copy: setuptools writes build/ into the tree it builds
+# built from a copy: setuptools writes build/ into the tree it builds; the
+# developer's tools (moorage_dev: the demo, the dev cluster) stay out of it
 mkdir "$work/src"
-tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./.moorage \
+tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./.moorage --exclude=./moorage_dev \
     --exclude='*.egg-info' --exclude='__pycache__' -cf - . | tar -C "$work/src" -xf -
 "$python" -m pip wheel -q --wheel-dir "$work/wheels" -c "$here/constraints.txt" "$work/src[fuse]"
 

@@ -1,6 +1,6 @@
 """The e2e cluster for the scenario tests (``make e2e``; docs/e2e.md).
 
-The session brings the cluster up with ``moorage.devcluster`` (or uses the
+The session brings the cluster up with ``moorage_dev.devcluster`` (or uses the
 one ``moorage dev cluster up`` left running, and then leaves it up) and
 takes it down at the end, failed tests or not.  Each test gets a namespace
 of its own, deleted with everything in it (and its volumes) afterwards.
@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import yaml
 
-from moorage.devcluster import cluster as devcluster
-from moorage.devcluster import procs
-from moorage.devcluster.kube import Kube
-from moorage.devcluster.layout import NAMESPACE, Layout, Node
-from moorage.devcluster.tools import Tools
+from moorage_dev.devcluster import cluster as devcluster
+from moorage_dev.devcluster import procs
+from moorage_dev.devcluster.kube import Kube
+from moorage_dev.devcluster.layout import NAMESPACE, Layout, Node
+from moorage_dev.devcluster.tools import Tools
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deploy" / "examples"

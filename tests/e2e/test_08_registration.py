@@ -6,9 +6,9 @@ import functools
 import json
 
 from hostio.sizes import parse_size
-from moorage.devcluster import cluster as devcluster
-from moorage.devcluster.kube import Kube
-from moorage.devcluster.layout import NAMESPACE
+from moorage_dev.devcluster import cluster as devcluster
+from moorage_dev.devcluster.kube import Kube
+from moorage_dev.devcluster.layout import NAMESPACE
 from tests.e2e.conftest import Cluster
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from moorage.devcluster import node as nodes
-from moorage.devcluster import procs
+from moorage_dev.devcluster import node as nodes
+from moorage_dev.devcluster import procs
 from tests.e2e.conftest import Cluster, Namespace, busybox_pod, claim, host_mounts, step
 
 WRITER = (

@@ -3,7 +3,7 @@
 Kubernetes' storage suite enters a node's mount namespace from a host-exec pod
 with ``nsenter --mount=/rootfs/proc/1/ns/mnt``; this machine's own process 1
 refuses that even to root, so each node of the dev cluster has a process 1
-of its own (moorage.devcluster.nodeinit) whose namespaces its daemons join.
+of its own (moorage_dev.devcluster.nodeinit) whose namespaces its daemons join.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from moorage.devcluster import node as nodes
-from moorage.devcluster import procs
-from moorage.devcluster.layout import Layout, Node
+from moorage_dev.devcluster import node as nodes
+from moorage_dev.devcluster import procs
+from moorage_dev.devcluster.layout import Layout, Node
 from tests.netns import ip
 
 
@@ -53,7 +53,7 @@ def test_the_node_has_a_process_1_its_daemons_and_host_exec_pods_reach(
     init = nodes.init_pid(layout, n)
     # the node's /proc is its own: process 1 there is the node's init
     cmdline = _in_node(init, "cat", "/proc/1/cmdline").stdout.split("\0")
-    assert "moorage.devcluster.nodeinit" in cmdline, cmdline
+    assert "moorage_dev.devcluster.nodeinit" in cmdline, cmdline
     # what a host-exec pod runs: enter the mount namespace of the node's process 1
     entered = _in_node(init, "nsenter", "--mount=/proc/1/ns/mnt", "--", "cat", "/proc/1/cmdline")
     assert entered.returncode == 0, entered.stderr

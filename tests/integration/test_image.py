@@ -19,6 +19,13 @@ import pytest
 
 from csi import mounts
 
+DEV_PACKAGE_ABSENT = (
+    "import importlib.util, moorage.cli as c;"
+    "assert importlib.util.find_spec('moorage_dev') is None;"
+    "assert not {'dev', 'demo'} & set(c.available_commands());"
+    "print('moorage_dev absent')"
+)
+
 
 def image() -> tuple[Path, str]:
     path, ref = os.environ.get("MOORAGE_IMAGE"), os.environ.get("MOORAGE_IMAGE_REF")
@@ -73,6 +80,8 @@ def test_containerd_imports_the_image_and_runs_every_roles_tools(ctr: list[str])
             (["nbdinfo", "--version"], "libnbd"),
             (["mkfs.xfs", "-V"], "mkfs.xfs version"),
             (["/opt/moorage/bin/python", "-c", "import pyfuse3, csi.proto.csi_pb2"], ""),
+            # the developer's tools (the demo, the dev cluster) are not in the image
+            (["/opt/moorage/bin/python", "-c", DEV_PACKAGE_ABSENT], "moorage_dev absent"),
             # rpcbind finds its port by name: without /etc/services it binds nothing
             (["getent", "services", "sunrpc"], "111/tcp"),
             # ganesha's VFS finds the exported filesystems in /etc/mtab

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moorage.devcluster import conformance
+from moorage_dev.devcluster import conformance
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = yaml.safe_load((REPO / "deploy/helm/moorage/values.yaml").read_text())

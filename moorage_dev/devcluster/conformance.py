@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moorage.devcluster import node as nodes
-from moorage.devcluster.cluster import SECOND_NODE_TAINT
-from moorage.devcluster.kube import Kube
-from moorage.devcluster.layout import CONTROL_NS, Layout
+from moorage_dev.devcluster import node as nodes
+from moorage_dev.devcluster.cluster import SECOND_NODE_TAINT
+from moorage_dev.devcluster.kube import Kube
+from moorage_dev.devcluster.layout import CONTROL_NS, Layout
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVERS = REPO / "tests" / "conformance"

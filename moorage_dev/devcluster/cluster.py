@@ -15,13 +15,13 @@ from typing import Any
 
 from hostio.atomicfile import write_atomically
 from hostio.mountinfo import parse_mountinfo, read_mountinfo
-from moorage.devcluster import cleanup, control, network, procs
-from moorage.devcluster import node as nodes
-from moorage.devcluster.kube import Kube, KubectlError
-from moorage.devcluster.layout import CONTROL_NS, NAMESPACE, RELEASE, Layout, Node
-from moorage.devcluster.tools import Tools
+from moorage_dev.devcluster import cleanup, control, network, procs
+from moorage_dev.devcluster import node as nodes
+from moorage_dev.devcluster.kube import Kube, KubectlError
+from moorage_dev.devcluster.layout import CONTROL_NS, NAMESPACE, RELEASE, Layout, Node
+from moorage_dev.devcluster.tools import Tools
 
-log = logging.getLogger("moorage.devcluster")
+log = logging.getLogger("moorage_dev.devcluster")
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "moorage"
 SECOND_NODE_TAINT = "moorage.dev/e2e-second-node=true"
 SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", NAMESPACE}

@@ -17,7 +17,7 @@ app.add_typer(cluster_app, name="cluster")
 
 
 def _tools() -> object:
-    from moorage.devcluster.tools import Tools
+    from moorage_dev.devcluster.tools import Tools
 
     try:
         return Tools.from_env()
@@ -30,8 +30,8 @@ def up(
     install: bool = typer.Option(True, help="Install moorage's Helm chart once the node is Ready."),
 ) -> None:
     """Start the cluster (or what of it is not running) and install moorage."""
-    from moorage.devcluster import cluster, procs
-    from moorage.devcluster.layout import Layout
+    from moorage_dev.devcluster import cluster, procs
+    from moorage_dev.devcluster.layout import Layout
 
     layout = Layout()
     tools = _tools()
@@ -51,9 +51,9 @@ def up(
 @cluster_app.command("status")
 def status() -> None:
     """What runs, and what the API server says about nodes and pods (JSON)."""
-    from moorage.devcluster import cluster
-    from moorage.devcluster.layout import Layout
-    from moorage.devcluster.tools import Tools
+    from moorage_dev.devcluster import cluster
+    from moorage_dev.devcluster.layout import Layout
+    from moorage_dev.devcluster.tools import Tools
 
     try:
         tools: Tools | None = Tools.from_env()
@@ -66,9 +66,9 @@ def status() -> None:
 def down() -> None:
     """Remove the cluster: workloads and volumes through the API, then every
     process, mount and namespace it made."""
-    from moorage.devcluster import cluster
-    from moorage.devcluster.layout import Layout
-    from moorage.devcluster.tools import Tools
+    from moorage_dev.devcluster import cluster
+    from moorage_dev.devcluster.layout import Layout
+    from moorage_dev.devcluster.tools import Tools
 
     try:
         tools: Tools | None = Tools.from_env()
@@ -94,10 +94,10 @@ def conformance(
     Uses the cluster `moorage dev cluster up` left running (and leaves it up),
     or brings one up for the run and takes it down after it.  Exits 1 when a
     spec failed."""
-    from moorage.devcluster import cluster
-    from moorage.devcluster import conformance as suite_run
-    from moorage.devcluster import procs as daemons
-    from moorage.devcluster.layout import Layout
+    from moorage_dev.devcluster import cluster
+    from moorage_dev.devcluster import conformance as suite_run
+    from moorage_dev.devcluster import procs as daemons
+    from moorage_dev.devcluster.layout import Layout
 
     for which in classes:
         if which not in suite_run.CLASSES:

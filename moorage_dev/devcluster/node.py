@@ -14,8 +14,8 @@ from pathlib import Path
 
 from hostio.atomicfile import write_atomically
 from hostio.mountinfo import read_mountinfo
-from moorage.devcluster import pki, procs
-from moorage.devcluster.layout import (
+from moorage_dev.devcluster import pki, procs
+from moorage_dev.devcluster.layout import (
     API_PORT,
     CONTROL_ADDRESS,
     PAUSE_IMAGE,
@@ -23,7 +23,7 @@ from moorage.devcluster.layout import (
     Layout,
     Node,
 )
-from moorage.devcluster.tools import Tools
+from moorage_dev.devcluster.tools import Tools
 
 CNI_BIN = "/usr/lib/cni"
 
@@ -40,7 +40,7 @@ def daemons(node: Node) -> list[str]:
 
 
 def start_init(layout: Layout, node: Node) -> None:
-    """The node's process 1 (moorage.devcluster.nodeinit), in PID and mount
+    """The node's process 1 (moorage_dev.devcluster.nodeinit), in PID and mount
     namespaces of the node's own.
 
     Its mount namespace is a copy of the node's (the host's for the first
@@ -50,7 +50,7 @@ def start_init(layout: Layout, node: Node) -> None:
     namespace, so the node's /proc/1 is this process, as on a real node.
     ``unshare --kill-child``: when unshare is stopped the whole node goes.
     """
-    init = [sys.executable, "-m", "moorage.devcluster.nodeinit"]
+    init = [sys.executable, "-m", "moorage_dev.devcluster.nodeinit"]
     # other programs' mounts dropped from the copy first, then process 1 takes over
     script = f"{shlex.join([*init, '--drop-mounts'])} && exec {shlex.join(init)}"
     argv = [
@@ -76,7 +76,7 @@ def _is_init(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
     except OSError:
         return False
-    return argv[-3:-1] == ["-m", "moorage.devcluster.nodeinit"] and argv[-1] == ""
+    return argv[-3:-1] == ["-m", "moorage_dev.devcluster.nodeinit"] and argv[-1] == ""
 
 
 def stop_init(layout: Layout, node: Node) -> None:
@@ -303,7 +303,7 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
         f"mount --make-rshared {layout.kubelet_dir} && "
         f"mount --bind {state} {layout.csi_state_dir} && "
         # no copy of another program's mounts under /tmp may stay pinned here
-        f"{sys.executable} -m moorage.devcluster.nodeinit --drop-mounts"
+        f"{sys.executable} -m moorage_dev.devcluster.nodeinit --drop-mounts"
     )
     subprocess.run(
         ["unshare", f"--mount={pin}", "--propagation", "private", "sh", "-c", script],

@@ -147,7 +147,7 @@ def demo(
     logging.getLogger("moorage.ganesha").setLevel(logging.ERROR)
     try:
         trio.run(_nbd_demo, state_dir)
-        from moorage.demo_node import node_demo  # the storage node's imports, only here
+        from moorage_dev.demo_node import node_demo  # the storage node's imports, only here
 
         trio.run(node_demo, state_dir, console)
     except (RuntimeError, subprocess.SubprocessError) as e:

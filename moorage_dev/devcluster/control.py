@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moorage.devcluster import pki, procs
-from moorage.devcluster.kube import Kube
-from moorage.devcluster.layout import (
+from moorage_dev.devcluster import pki, procs
+from moorage_dev.devcluster.kube import Kube
+from moorage_dev.devcluster.layout import (
     API_PORT,
     CONTROL_ADDRESS,
     CONTROL_NS,
@@ -13,7 +13,7 @@ from moorage.devcluster.layout import (
     SERVICE_NETWORK,
     Layout,
 )
-from moorage.devcluster.tools import Tools
+from moorage_dev.devcluster.tools import Tools
 
 DAEMONS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"]
 

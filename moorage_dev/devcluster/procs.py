@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hostio.atomicfile import write_atomically
-from moorage.devcluster.layout import Layout
+from moorage_dev.devcluster.layout import Layout
 
 
 class ClusterError(RuntimeError):
@@ -47,7 +47,7 @@ def start(
 ) -> int:
     """Start ``argv`` in ``netns``; returns its pid (already running ones are left alone).
 
-    ``inside``: the pid of a node's process 1 (moorage.devcluster.nodeinit),
+    ``inside``: the pid of a node's process 1 (moorage_dev.devcluster.nodeinit),
     whose mount and PID namespaces the daemon joins; nsenter then forks it,
     and the daemon's own pid is the one recorded.
     """

@@ -26,7 +26,7 @@ from backend.poolinit import init_loop_pool, read_pool_record, release_loop_pool
 from backend.proto import backend_pb2 as pb
 from hostio import tools
 from hostio.sizes import format_size
-from moorage.demo_csi import csi_demo
+from moorage_dev.demo_csi import csi_demo
 
 T = TypeVar("T")
 POOL_SIZE = 2 << 30

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from moorage.devcluster.layout import (
+from moorage_dev.devcluster.layout import (
     BRIDGE,
     CONTROL_ADDRESS,
     CONTROL_NS,

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from moorage.devcluster.layout import API_PORT, CONTROL_NS, Layout
-from moorage.devcluster.tools import Tools
+from moorage_dev.devcluster.layout import API_PORT, CONTROL_NS, Layout
+from moorage_dev.devcluster.tools import Tools
 
 
 class KubectlError(RuntimeError):
