@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 
-from backend.errors import CommandFailed
+from backend.api.errors import CommandFailed
 
 log = logging.getLogger("moorage.backend")
 

@@ -16,8 +16,8 @@ import struct
 import time
 from pathlib import Path
 
+from backend.api.errors import CommandFailed, FailedPrecondition
 from backend.commands import run
-from backend.errors import CommandFailed, FailedPrecondition
 
 log = logging.getLogger("moorage.backend.pool")
 

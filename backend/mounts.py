@@ -10,8 +10,8 @@ import contextlib
 import re
 from pathlib import Path
 
+from backend.api.errors import CommandFailed, FailedPrecondition
 from backend.commands import run
-from backend.errors import CommandFailed, FailedPrecondition
 
 _TIMEOUT = 120.0
 

@@ -1,6 +1,6 @@
 """The storage node's service: its operations and what callers can read.
 
-``StorageService`` is what the gRPC API (``backend/api.py``) and the start-up
+``StorageService`` is what the gRPC service and the start-up
 reconciliation call.  How an operation starts and ends (locks, the recorded
 intent, the journal) is ``backend/operation.py``; the operations are
 ``volume_ops.py``, ``snapshot_ops.py`` and ``publication_ops.py``.

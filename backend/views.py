@@ -1,6 +1,6 @@
 """What callers of the storage service see: frozen records made from catalog rows.
 
-The gRPC API (``backend/api.py``) turns these into protobuf messages; nothing
+The gRPC service turns these into the API's protobuf messages; nothing
 here changes the catalog.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from backend.api.errors import BackendError
 from backend.catalog.db import publications_of
 from backend.catalog.models import (
     Operation,
@@ -23,7 +24,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import BackendError
 from backend.pool import Pool
 
 log = logging.getLogger("moorage.backend")

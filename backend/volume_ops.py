@@ -17,6 +17,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from backend.catalog.db import get_volume_by_name, publications_of, record_operation
 from backend.catalog.models import (
     OperationKind,
@@ -25,13 +32,6 @@ from backend.catalog.models import (
     Volume,
     VolumeState,
     VolumeType,
-)
-from backend.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
 )
 from backend.failpoints import failpoint
 from backend.ganesha.config import MAX_EXPORT_ID
