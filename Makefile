@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-PROTOS := $(wildcard csi/proto/*.proto backend/proto/*.proto)
+PROTOS := $(wildcard csi/proto/*.proto backend/api/proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 # Tools built from Go modules, each pinned here and only here, built once into

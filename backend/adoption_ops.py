@@ -15,9 +15,9 @@ import os
 from sqlalchemy.orm import Session
 
 from backend import quarantine, validation
+from backend.api.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from backend.catalog.db import get_volume_by_name, record_operation
 from backend.catalog.models import FsType, OperationKind, Volume, VolumeState, VolumeType
-from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from backend.filesystems import FS_TYPES
 from backend.operation import Intent, ServiceContext, close_journal, new_id
 from backend.quarantine import Orphan

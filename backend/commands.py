@@ -6,7 +6,7 @@ C locale, so the English words callers look for in stderr are there).
 
 from __future__ import annotations
 
-from backend.errors import CommandFailed
+from backend.api.errors import CommandFailed
 from hostio import tools
 
 # What CommandFailed.returncode says of a tool that did not run or did not finish.

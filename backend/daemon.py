@@ -18,20 +18,22 @@ from pathlib import Path
 import grpc
 import trio
 
-from backend.api import BackendServicer, RequestDecoding
-from backend.auth import BearerTokenInterceptor, read_token
+from backend.api.auth import read_token
+from backend.api.errors import InvalidArgument, Unavailable
+from backend.api.interceptor import ErrorInterceptor
+from backend.api.proto import backend_pb2_grpc as pb_grpc
 from backend.catalog.db import Catalog
-from backend.errors import InvalidArgument, Unavailable
 from backend.exporting import ExporterStatus
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.supervisor import GaneshaSupervisor
+from backend.grpcservice import BackendServicer, BearerTokenInterceptor, record_call
+from backend.grpcservice import log as api_log
 from backend.metrics import StorageNodeCollector, serve_metrics
 from backend.operation import ServiceConfig
 from backend.pool import Pool
 from backend.poolidentity import check_pool_identity
 from backend.poolinit import ensure_pool_mounted
-from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.reconcile import reconcile
 from backend.service import StorageService
 from hostio.addresses import HostPort, HostPortError, parse_host_port
@@ -184,8 +186,8 @@ def _grpc_server(config: DaemonConfig, service: StorageService) -> grpc.Server:
     if config.token_file is not None:
         token = read_token(config.token_file, refuse_shared=not config.allow_shared_token_file)
         interceptors.append(BearerTokenInterceptor(token))
-    # innermost: request bytes that do not parse answer INVALID_ARGUMENT
-    interceptors.append(RequestDecoding())
+    # innermost: errors to statuses, every call timed
+    interceptors.append(ErrorInterceptor(api_log, record_call))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="backend-api"),
         interceptors=interceptors,

@@ -16,9 +16,9 @@ from typing import Protocol
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import FailedPrecondition, InvalidArgument
 from backend.catalog.db import publications_of
 from backend.catalog.models import Publication, PublicationState, Volume, VolumeType
-from backend.errors import FailedPrecondition, InvalidArgument
 from backend.ganesha.config import ExportConfig
 from backend.pool import Pool
 from nbd.exports import Export

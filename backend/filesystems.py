@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from backend.api.errors import CommandFailed, FailedPrecondition, InvalidArgument
 from backend.commands import run
-from backend.errors import CommandFailed, FailedPrecondition, InvalidArgument
 from backend.loopdevices import detach_loops
 from backend.mounts import mount_loop, mount_table, unmount
 

@@ -10,7 +10,7 @@ SEEK_HOLE) are copied, so holes stay holes.
 An image can also be given real blocks up front (:func:`allocate`,
 fallocate mode 0): what an nfs volume's loop-mounted filesystem writes then
 never needs space the pool may no longer have.  Running out of pool space
-here is :class:`~backend.errors.ResourceExhausted`, never a bare ENOSPC.
+here is :class:`~backend.api.errors.ResourceExhausted`, never a bare ENOSPC.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import secrets
 from pathlib import Path
 
-from backend.errors import AlreadyExists, ResourceExhausted
+from backend.api.errors import AlreadyExists, ResourceExhausted
 from hostio.atomicfile import fsync_directory, fsync_path
 
 MiB = 1 << 20

@@ -15,8 +15,8 @@ import struct
 import time
 from pathlib import Path
 
+from backend.api.errors import CommandFailed, FailedPrecondition
 from backend.commands import run
-from backend.errors import CommandFailed, FailedPrecondition
 from hostio.mountinfo import read_mountinfo
 
 log = logging.getLogger("moorage.backend.pool")

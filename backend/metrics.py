@@ -22,7 +22,7 @@ Read at scrape time, so they cost nothing between scrapes:
   a counter starts again when its export is made anew);
 - ``moorage_ganesha_up`` and ``moorage_ganesha_restarts_total``;
 - ``moorage_backend_operation_seconds{method,code}``: every API call, timed
-  (observed in ``backend/api.py``).
+  (observed by the gRPC server's error interceptor).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from backend.api.errors import CommandFailed, FailedPrecondition
 from backend.commands import run
-from backend.errors import CommandFailed, FailedPrecondition
 from hostio.mountinfo import read_mountinfo
 
 _TIMEOUT = 120.0

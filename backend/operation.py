@@ -22,9 +22,9 @@ from typing import Generic, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from backend.api.errors import InvalidArgument, ResourceExhausted
 from backend.catalog.db import Catalog, finish_operation
 from backend.catalog.models import Operation, OperationKind, OperationState, Volume
-from backend.errors import InvalidArgument, ResourceExhausted
 from backend.exporting import Exporter, Exports
 from backend.failpoints import failpoint
 from backend.keylocks import KeyLocks

@@ -30,8 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from backend.commands import run
-from backend.errors import (
+from backend.api.errors import (
     AlreadyExists,
     CommandFailed,
     FailedPrecondition,
@@ -39,6 +38,7 @@ from backend.errors import (
     NotFound,
     ResourceExhausted,
 )
+from backend.commands import run
 from backend.failpoints import failpoint
 from backend.filesystems import (
     can_resize_ext4_online,

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
+from backend.api.errors import FailedPrecondition
 from backend.catalog.db import Catalog
 from backend.catalog.models import PoolIdentity, Volume
-from backend.errors import FailedPrecondition
 from backend.pool import Pool
 from hostio.atomicfile import write_atomically
 

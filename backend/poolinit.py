@@ -16,8 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from backend.api.errors import FailedPrecondition, InvalidArgument, Unavailable
 from backend.commands import run
-from backend.errors import FailedPrecondition, InvalidArgument, Unavailable
 from backend.filesystems import XFS_MIN_IMAGE, fs_type_of
 from backend.loopdevices import detach_loops, loop_devices
 from backend.mounts import mount_table, mounts_under, unmount

@@ -12,6 +12,7 @@ import logging
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from backend.catalog.db import get_publication, publications_of, record_operation
 from backend.catalog.models import (
     OperationKind,
@@ -21,7 +22,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from backend.exporting import nbd_export_name, nfs_pseudo_path, publication_problem
 from backend.failpoints import failpoint
 from backend.operation import Intent, ServiceContext, close_journal

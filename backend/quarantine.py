@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.errors import InvalidArgument, NotFound
+from backend.api.errors import InvalidArgument, NotFound
 from backend.filesystems import fs_type_of
 from backend.pool import Pool
 from hostio.atomicfile import fsync_directory, unlink_durably

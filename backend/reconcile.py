@@ -13,6 +13,7 @@ import logging
 from sqlalchemy import select
 
 from backend import quarantine
+from backend.api.errors import BackendError
 from backend.catalog.db import finish_operation, pending_operations, publications_of
 from backend.catalog.models import (
     Operation,
@@ -25,7 +26,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import BackendError
 from backend.exporting import exportable, publication_problem
 from backend.ganesha.config import ExportConfig
 from backend.ganesha.files import GaneshaFiles

@@ -7,9 +7,9 @@ import logging
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import AlreadyExists, FailedPrecondition, NotFound
 from backend.catalog.db import get_snapshot_by_name, list_snapshots, record_operation
 from backend.catalog.models import OperationKind, Snapshot, SnapshotState, Volume, VolumeState
-from backend.errors import AlreadyExists, FailedPrecondition, NotFound
 from backend.failpoints import failpoint
 from backend.operation import Intent, ServiceContext, close_journal, new_id
 from backend.views import SnapshotInfo, page, snapshot_info

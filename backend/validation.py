@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from backend.errors import InvalidArgument
+from backend.api.errors import InvalidArgument
 from hostio.addresses import AddressError
 from hostio.addresses import node_address as _node_address
 

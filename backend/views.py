@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import BackendError
 from backend.catalog.db import publications_of
 from backend.catalog.models import (
     Operation,
@@ -25,7 +26,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import BackendError
 from backend.pool import Pool
 
 log = logging.getLogger("moorage.backend")

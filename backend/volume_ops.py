@@ -18,6 +18,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend import validation
+from backend.api.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from backend.catalog.db import (
     get_volume_by_name,
     list_volumes,
@@ -31,13 +38,6 @@ from backend.catalog.models import (
     Volume,
     VolumeState,
     VolumeType,
-)
-from backend.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
 )
 from backend.failpoints import failpoint
 from backend.ganesha.config import MAX_EXPORT_ID

@@ -7,7 +7,8 @@ beside them, not inside the handlers.
 The controller keeps no state: every id names its storage node, so any
 replica answers any call.  Each call that changes something holds its
 volume, snapshot or name for its duration; a concurrent call for the same
-one is ABORTED.  Backend errors keep their status code.
+one is ABORTED.  A failed backend call answers the CSI status its code maps
+to (:data:`csi.errors.FROM_BACKEND`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TypeVar
 
 import grpc
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi import capabilities, lookups, messages, parameters, provisioning, topology
 from csi.errors import (
     AlreadyExists,

@@ -28,7 +28,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi import parameters, topology
 from csi.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from csi.ids import NodeRef

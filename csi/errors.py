@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import grpc
 
+from backend.api.errors import StatusError
 
-class CsiError(Exception):
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+class CsiError(StatusError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -51,6 +51,10 @@ class Unavailable(CsiError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class PermissionDenied(CsiError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unauthenticated(CsiError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
@@ -67,35 +71,39 @@ class Internal(CsiError):
     code = grpc.StatusCode.INTERNAL
 
 
-_BY_CODE: dict[grpc.StatusCode, type[CsiError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        NotFound,
-        AlreadyExists,
-        FailedPrecondition,
-        OutOfRange,
-        ResourceExhausted,
-        Aborted,
-        Unavailable,
-        Unauthenticated,
-        DeadlineExceeded,
-        Unimplemented,
-        Internal,
-    )
+# What the plugin answers for a call to a storage node that failed with the
+# status on the left (the spec's error scheme).  A code keeps its meaning
+# unless a comment says why not; a code not here (OK: a failed call never
+# ends so) answers INTERNAL.
+FROM_BACKEND: dict[grpc.StatusCode, type[CsiError]] = {
+    # the call was cut short on our side (the channel closed): try again
+    grpc.StatusCode.CANCELLED: Aborted,
+    # no status: the storage node died mid-call
+    grpc.StatusCode.UNKNOWN: Unavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    # the storage node knows who we are and refuses: a grant is missing
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRange,
+    # a storage node without a call this plugin makes (an older version): to a
+    # CO, UNIMPLEMENTED would mean this plugin lacks the call, never to retry
+    grpc.StatusCode.UNIMPLEMENTED: Internal,
+    grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    # the plugin claims no loss it cannot see: the storage node's message says what
+    grpc.StatusCode.DATA_LOSS: Internal,
+    # the token or certificate the storage node was given is not valid
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
-# A storage node refusing our credentials is, to Kubernetes, a misconfigured
-# secret: PERMISSION_DENIED keeps its meaning.
-_BY_CODE[grpc.StatusCode.PERMISSION_DENIED] = Unauthenticated
 
 
 def from_backend(error: grpc.RpcError, storage_node: str) -> CsiError:
     """The CSI error for a failed backend call to ``storage_node``."""
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-    # A channel that never connected reports UNAVAILABLE (or UNKNOWN with no
-    # details when the process died mid-call): the storage node is down.
-    cls = _BY_CODE.get(code, Unavailable if code == grpc.StatusCode.UNKNOWN else Internal)
-    if code == grpc.StatusCode.CANCELLED:
-        cls = Aborted
-    return cls(f"storage node {storage_node}: {details}")
+    return FROM_BACKEND.get(code, Internal)(f"storage node {storage_node}: {details}")

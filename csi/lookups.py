@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi.errors import NotFound
 from csi.ids import ObjectRef
 from csi.storagenodes import StorageNodes

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi.errors import InvalidArgument
 from csi.proto import csi_pb2 as pb
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi import messages, parameters, topology
 from csi.config import PluginConfig
 from csi.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted

@@ -1,10 +1,11 @@
 """The CSI plugin's gRPC server: its unix socket, and what every call passes.
 
-Every call goes through :class:`CallObserver`: it maps the services' typed
-errors (``csi/errors.py``) to gRPC statuses, writes one log line per call
-(method, the volume or snapshot it is about, duration, status code) and
-records the call in the ``csi_plugin_operations_seconds`` histogram.
-Requests are never logged whole: they carry secrets.
+Every call goes through the one error interceptor of moorage's gRPC servers,
+which answers the services' typed errors with their status codes; its
+observer here writes one log line per call (method, the volume or snapshot
+it is about, duration, status code) and records the call in the
+``csi_plugin_operations_seconds`` histogram.  Requests are never logged
+whole: they carry secrets.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import socket
 import stat
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server
 
-from csi.errors import CsiError
+from backend.api.interceptor import ErrorInterceptor, Observer, Outcome
 from hostio.addresses import HostPortError, parse_host_port
 
 log = logging.getLogger("moorage.csi")
@@ -84,93 +84,23 @@ def _subject(request: Any) -> str:
     return ""
 
 
-class _Undecodable:
-    """Stands for a request whose bytes are not the method's request message."""
+def call_observer(histogram: Histogram) -> Observer:
+    """One log line and one histogram sample per call."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-
-def _tolerant(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """The handler's deserializer, answering :class:`_Undecodable` instead of
-    raising (grpc would answer INTERNAL and log a traceback per request)."""
-    if parse is None:
-        return None
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception:
-            return _Undecodable(len(data))
-
-    return deserialize
-
-
-# The most of a status message a caller gets (grpc carries it in metadata).
-MAX_DETAILS = 1000
-
-
-class CallObserver(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Errors to statuses, one log line and one histogram sample per call.
-
-    Request bytes that do not parse as the method's message answer
-    INVALID_ARGUMENT, with one log line.
-    """
-
-    def __init__(self, histogram: Histogram) -> None:
-        self.histogram = histogram
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        method = details.method
-        short = method.rsplit("/", 1)[-1]
-
-        def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            start = time.monotonic()
-            code = grpc.StatusCode.OK
-            message = ""
-            try:
-                if isinstance(request, _Undecodable):  # logged below, once
-                    code = grpc.StatusCode.INVALID_ARGUMENT
-                    message = f"the request ({request.size} bytes) is not a valid {short} message"
-                else:
-                    return inner(request, context)
-            except CsiError as e:
-                code, message = e.code, e.message
-            except NotImplementedError:  # a generated servicer's method we did not build
-                code, message = grpc.StatusCode.UNIMPLEMENTED, f"{short} is not implemented"
-            except Exception as e:
-                log.exception("%s failed unexpectedly", short)
-                code, message = grpc.StatusCode.INTERNAL, f"internal error: {e}"
-            finally:
-                if len(message) > MAX_DETAILS:
-                    message = message[: MAX_DETAILS - 3] + "..."
-                elapsed = time.monotonic() - start
-                self.histogram.labels(DRIVER_NAME, method, code.name).observe(elapsed)
-                level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
-                log.log(
-                    level,
-                    "%s %s %.3fs %s%s",
-                    short,
-                    _subject(request),
-                    elapsed,
-                    code.name,
-                    f": {message}" if message else "",
-                )
-            context.abort(code, message)
-
-        return grpc.unary_unary_rpc_method_handler(
-            observed,
-            request_deserializer=_tolerant(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
+    def observe(call: Outcome) -> None:
+        histogram.labels(DRIVER_NAME, call.method, call.code.name).observe(call.seconds)
+        level = logging.INFO if call.code == grpc.StatusCode.OK else logging.WARNING
+        log.log(
+            level,
+            "%s %s %.3fs %s%s",
+            call.name,
+            _subject(call.request),
+            call.seconds,
+            call.code.name,
+            f": {call.message}" if call.message else "",
         )
+
+    return observe
 
 
 def operations_histogram(registry: CollectorRegistry | None = None) -> Histogram:
@@ -217,7 +147,10 @@ def start_server(
     path = socket_path(endpoint)
     claim_socket(path)
     workers = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi")
-    server = grpc.server(workers, interceptors=[CallObserver(operations_histogram(registry))])
+    server = grpc.server(
+        workers,
+        interceptors=[ErrorInterceptor(log, call_observer(operations_histogram(registry)))],
+    )
     add_services(server)
     old_umask = os.umask(0o077)  # the socket is for the sidecars and kubelet (root) only
     try:

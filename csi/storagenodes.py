@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import grpc
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
 from csi.config import PluginConfig, StorageNodeConfig
 from csi.errors import CsiError, InvalidArgument, NotFound, from_backend
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi import messages
 
 KNOWN_KINDS = 100_000  # volume id -> type, for publishes without a lookup

@@ -17,8 +17,8 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
-from backend.client import BackendClient
-from backend.proto import backend_pb2 as pb
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as pb
 from hostio.sizes import format_size, parse_size
 from moorage.output import CANNOT_START, FAILED, UNREACHABLE, fail, print_json
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import trio
 import typer
 
+from backend.api.errors import BackendError
 from backend.catalog.db import Catalog
 from backend.daemon import DaemonConfig, run_daemon
-from backend.errors import BackendError
 from backend.poolidentity import init_identity
 from backend.poolinit import init_loop_pool, release_loop_pool
 from hostio.sizes import parse_size

@@ -20,10 +20,10 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as pb
 from backend.daemon import DaemonConfig, run_daemon
 from backend.poolinit import init_loop_pool, read_pool_record, release_loop_pool
-from backend.proto import backend_pb2 as pb
 from hostio import tools
 from hostio.sizes import format_size
 from moorage_dev.demo_csi import csi_demo

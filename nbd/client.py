@@ -439,7 +439,4 @@ __all__ = [
     "connect_unix",
     "connect_uri",
     "handshake",
-    # nbd.uri's parser, which connect_uri uses; re-exported because
-    # csi/attach/block.py calls it as nbd.client.parse_nbd_uri.
-    "parse_nbd_uri",
 ]

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
 from backend.poolinit import init_loop_pool, release_loop_pool
 from tests.conftest import REPO, free_port, stop_process
 

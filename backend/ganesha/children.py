@@ -23,7 +23,7 @@ from typing import Final
 
 import trio
 
-from backend.errors import Unavailable
+from backend.api.errors import Unavailable
 
 log = logging.getLogger("moorage.ganesha")
 

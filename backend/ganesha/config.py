@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Final, Literal, get_args
 
-from backend.errors import InvalidArgument
+from backend.api.errors import InvalidArgument
 from hostio.addresses import AddressError, node_address
 
 Access = Literal["RW", "RO"]

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-from backend.errors import FailedPrecondition, InvalidArgument
+from backend.api.errors import FailedPrecondition, InvalidArgument
 from backend.ganesha.config import (
     MAX_EXPORT_ID,
     CoreConfig,

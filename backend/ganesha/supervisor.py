@@ -32,7 +32,7 @@ from typing import Final
 
 import trio
 
-from backend.errors import BackendError, FailedPrecondition, Unavailable
+from backend.api.errors import BackendError, FailedPrecondition, Unavailable
 from backend.ganesha.children import (
     Child,
     describe_exit,

@@ -24,6 +24,7 @@ from csi.config import DEFAULT_IO_TIMEOUT
 from hostio.atomicfile import unlink_durably, write_atomically
 from nbd import client as nbd_client
 from nbd import kernel as nbd_kernel
+from nbd.uri import parse_nbd_uri
 
 KERNEL_STATE: Final = "kernel-nbd"  # subdirectory of the state dir for kernel attachments
 _NBD_DEVICE = re.compile(r"/dev/nbd(\d+)")
@@ -144,7 +145,7 @@ def attach_block(
             f"block path is {plan.block}: {plan.block_reason}"
         )
     try:
-        nbd_client.parse_nbd_uri(uri)
+        parse_nbd_uri(uri)
     except ValueError as e:
         raise AttachError(str(e)) from e
     existing = [a for a in list_block_attachments(state_dir) if a.uri == uri]

@@ -43,10 +43,10 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as pb
 from backend.loopdevices import loop_devices
 from backend.mounts import mount_table
-from backend.proto import backend_pb2 as pb
 from hostio.atomicfile import fsync_path
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO, run

@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from backend.client import BackendClient
-from backend.proto import backend_pb2 as bpb
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as bpb
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.backend_node import BackendNode, make_node

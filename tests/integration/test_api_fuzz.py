@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from backend.api.proto import backend_pb2 as pb
 from backend.ganesha.config import client_address
-from backend.proto import backend_pb2 as pb
 from csi.proto import csi_pb2 as cpb
 from csi.proto import csi_pb2_grpc as cpb_grpc
 from tests.backend_node import BackendNode, make_node

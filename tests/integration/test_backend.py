@@ -28,9 +28,9 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as pb
 from backend.pool import Pool
-from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, backend_node, make_node  # noqa: F401
 from tests.conftest import REPO, free_port
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO
 from tests.netns import ip, kill_netns_processes, netns_list, netns_pids

@@ -18,9 +18,9 @@ from typing import Any, cast
 import grpc
 import pytest
 
+from backend.api.proto import backend_pb2 as pb
 from backend.catalog.db import Catalog, record_operation
 from backend.catalog.models import OperationKind, Publication, PublicationState
-from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 
 MiB = 1 << 20

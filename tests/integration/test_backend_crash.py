@@ -52,9 +52,9 @@ from typing import ClassVar
 import grpc
 import pytest
 
-from backend.client import BackendClient
+from backend.api.client import BackendClient
+from backend.api.proto import backend_pb2 as pb
 from backend.ganesha.config import ExportConfig, render_export
-from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO, run
 

@@ -27,11 +27,11 @@ import grpc
 import pytest
 
 from backend import pool as pool_module
-from backend.client import BackendClient
-from backend.errors import ResourceExhausted
+from backend.api.client import BackendClient
+from backend.api.errors import ResourceExhausted
+from backend.api.proto import backend_pb2 as pb
 from backend.pool import Pool
 from backend.poolinit import init_loop_pool, release_loop_pool
-from backend.proto import backend_pb2 as pb
 from nbd.libnbd import NBDClient
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import free_port

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import free_port
 

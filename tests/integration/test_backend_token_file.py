@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.auth import read_token
-from backend.client import BackendClient
+from backend.api.auth import read_token
+from backend.api.client import BackendClient
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import REPO, free_port
 

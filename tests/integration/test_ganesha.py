@@ -27,7 +27,7 @@ from typing import Literal
 import pytest
 import trio
 
-from backend.errors import Unavailable
+from backend.api.errors import Unavailable
 from backend.ganesha.config import CoreConfig, ExportConfig
 from backend.ganesha.files import GaneshaFiles
 from backend.ganesha.probes import RPCBIND_PORT, accepts_tcp

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.errors import FailedPrecondition
+from backend.api.errors import FailedPrecondition
 from backend.loopdevices import detach_loops, loop_devices, loop_holders
 
 

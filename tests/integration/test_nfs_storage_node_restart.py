@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from fuse.nfsmount import FSTYPE, MountError, is_mounted, mount_nfs, unmount
 from fuse.process import fusectl
 from tests.backend_node import BackendNode, make_node

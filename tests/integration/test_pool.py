@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.errors import (
+from backend.api.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,

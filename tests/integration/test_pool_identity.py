@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from backend.api.proto import backend_pb2 as pb
 from backend.poolidentity import read_pool_id, write_pool_id
-from backend.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 
 MiB = 1 << 20

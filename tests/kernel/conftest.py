@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.csi_plugin import sanity_binary
 from tests.kernel.guest import API_PORT, GUEST_IP, HOST_IP, Lane, lane

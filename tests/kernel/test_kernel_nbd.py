@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.kernel.conftest import Store
 from tests.kernel.guest import Lane
 

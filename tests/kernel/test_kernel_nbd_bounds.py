@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.conftest import REPO
 from tests.kernel.conftest import Store
 from tests.kernel.guest import Lane

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from backend.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2 as pb
 from tests.kernel.conftest import Store
 from tests.kernel.guest import Lane
 

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import URL, select
 
 from backend import validation
+from backend.api.errors import InvalidArgument, Unavailable
 from backend.catalog.db import Catalog, record_operation
 from backend.catalog.models import (
     FsType,
@@ -28,7 +29,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import InvalidArgument, Unavailable
 from backend.ganesha.config import ExportConfig, client_address
 from backend.ganesha.files import GaneshaFiles
 from backend.operation import ServiceConfig

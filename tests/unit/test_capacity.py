@@ -25,9 +25,9 @@ import pytest
 from sqlalchemy import URL, func, select
 
 from backend import pool as pool_module
+from backend.api.errors import CommandFailed, ResourceExhausted
 from backend.catalog.db import Catalog
 from backend.catalog.models import Operation, OperationKind, OperationState, Volume, VolumeState
-from backend.errors import CommandFailed, ResourceExhausted
 from backend.exporting import ExporterStatus
 from backend.imagefiles import allocate
 from backend.operation import ServiceConfig

@@ -23,6 +23,7 @@ from sqlalchemy import URL, delete, func, inspect, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError, StatementError
 
 import backend.catalog.migrations.versions as revisions
+from backend.api.errors import FailedPrecondition
 from backend.catalog.db import (
     CATALOG_FILE,
     Catalog,
@@ -50,7 +51,6 @@ from backend.catalog.models import (
     VolumeState,
     VolumeType,
 )
-from backend.errors import FailedPrecondition
 from backend.pool import Pool
 from backend.poolidentity import (
     IdentityCheck,

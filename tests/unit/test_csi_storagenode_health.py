@@ -16,7 +16,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from backend.proto import backend_pb2
+from backend.api.proto import backend_pb2
 from csi import messages
 from csi.config import PluginConfig, StorageNodeConfig
 from csi.storagenodehealth import UP_METRIC, StorageNodeHealth

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.errors import InvalidArgument
+from backend.api.errors import InvalidArgument
 from backend.ganesha.config import (
     CoreConfig,
     ExportConfig,

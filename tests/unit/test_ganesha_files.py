@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 
-from backend.errors import FailedPrecondition, InvalidArgument
+from backend.api.errors import FailedPrecondition, InvalidArgument
 from backend.ganesha.config import CoreConfig, ExportConfig, render_export, render_main
 from backend.ganesha.files import GaneshaFiles
 

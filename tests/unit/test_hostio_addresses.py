@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from backend.api.errors import InvalidArgument
 from backend.daemon import DaemonConfig, check_api_access, tcp_addresses
-from backend.errors import InvalidArgument
 from csi.config import ConfigError, parse_config
 from csi.server import EndpointError, host_port
 from hostio.addresses import HostPort, HostPortError, parse_host_port

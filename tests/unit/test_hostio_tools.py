@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from backend.api.errors import CommandFailed
 from backend.commands import run as backend_run
-from backend.errors import CommandFailed
 from hostio import tools
 
 

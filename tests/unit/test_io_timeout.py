@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.proto import backend_pb2 as bpb
+from backend.api.proto import backend_pb2 as bpb
 from csi import config, messages, parameters, stage
 from csi.attach.nfs import kernel_timeout_options
 from csi.errors import InvalidArgument

@@ -1,4 +1,5 @@
-"""A client of the backend API, for the admin CLI and the CSI controller."""
+"""The client of a storage node's API (the admin CLI's, the CSI plugin's): its channel,
+credentials (bearer token, TLS) and reconnect backoff, one method per call."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from types import TracebackType
 
 import grpc
 
-from backend.auth import BearerToken, read_token
-from backend.proto import backend_pb2 as pb
-from backend.proto import backend_pb2_grpc as pb_grpc
+from backend.api.auth import BearerToken, read_token
+from backend.api.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2_grpc as pb_grpc
 
 # A storage node that restarts is reached again within a couple of seconds:
 # gRPC's default reconnect backoff grows to two minutes.

@@ -1,134 +1,73 @@
-"""The backend gRPC API: request validation at the edge, errors mapped once."""
+"""The storage node's gRPC service: the API's calls served by the StorageService.
+
+:class:`BackendServicer` turns each request into a service call and its
+result into the API's messages (errors become statuses in the API's one
+interceptor, whose observer here times every call).
+:class:`BearerTokenInterceptor` refuses calls without the node's token.  The
+local default is a unix socket with mode 0600, where the file system decides
+who may connect; over TCP the daemon refuses to start without a token or
+client-certificate verification.
+"""
 
 from __future__ import annotations
 
-import functools
+import hmac
 import logging
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from backend import errors
+from backend.api import errors
+from backend.api.interceptor import Outcome
+from backend.api.proto import backend_pb2 as pb
+from backend.api.proto import backend_pb2_grpc as pb_grpc
 from backend.metrics import OPERATION_SECONDS
-from backend.proto import backend_pb2 as pb
-from backend.proto import backend_pb2_grpc as pb_grpc
 from backend.quarantine import Orphan
 from backend.service import StorageService
 from backend.views import CapacityInfo, NbdTargetInfo, NfsTargetInfo, SnapshotInfo, VolumeInfo
 
 log = logging.getLogger("moorage.backend.api")
 
-R = TypeVar("R")
-
-_STATUS: list[tuple[type[errors.BackendError], grpc.StatusCode]] = [
-    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-]
-
 _TYPES: dict[int, str] = {int(pb.NBD): "nbd", int(pb.NFS): "nfs"}
 _TYPE_PB: dict[str, pb.VolumeType] = {"nbd": pb.NBD, "nfs": pb.NFS}
 
 
-# The most of a status message a caller gets: grpc carries it in the trailing
-# metadata, and one over its limit turns the answer into RESOURCE_EXHAUSTED.
-MAX_DETAILS = 1000
+def record_call(call: Outcome) -> None:
+    """The API's observer: every call timed, by method and status code; a request
+    that was no request message logged (a client out of step with the API)."""
+    OPERATION_SECONDS.labels(call.name, call.code.name).observe(call.seconds)
+    if call.request is None:
+        log.warning("%s: %s", call.name, call.message)
 
 
-def status_for(error: BaseException) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+def _abort_unauthenticated(message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def details(message: str) -> str:
-    """A status message cut to :data:`MAX_DETAILS` characters."""
-    if len(message) <= MAX_DETAILS:
-        return message
-    return message[: MAX_DETAILS - 3] + "..."
+class BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``."""
 
-
-class _Undecodable:
-    """Stands for a request whose bytes are not the method's request message."""
-
-    def __init__(self, size: int, error: Exception) -> None:
-        self.size = size
-        self.error = error
-
-
-class RequestDecoding(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Bytes that do not parse as the request message get INVALID_ARGUMENT and one
-    log line (grpc itself answers INTERNAL and logs a traceback per request)."""
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
 
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
-            return handler
-        parse = handler.request_deserializer
-        inner = handler.unary_unary
-        method = handler_call_details.method
-
-        def deserialize(data: bytes) -> Any:
-            try:
-                return parse(data)
-            except Exception as e:
-                return _Undecodable(len(data), e)
-
-        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, _Undecodable):
-                log.warning(
-                    "%s: undecodable request (%d bytes): %s",
-                    method,
-                    request.size,
-                    str(request.error)[:200],
-                )
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the request is not a valid message for {method}",
-                )
-            return inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            behaviour,
-            request_deserializer=deserialize,
-            response_serializer=handler.response_serializer,
-        )
-
-
-def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[..., R]:
-    """Turn backend errors into gRPC statuses; log what was not expected."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        started = time.monotonic()
-        code = grpc.StatusCode.OK
-        try:
-            return method(self, request, context)
-        except errors.BackendError as e:
-            code = status_for(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.error("%s failed: %s", method.__name__, e)
-            context.abort(code, details(str(e)))
-        except Exception as e:
-            if code == grpc.StatusCode.OK:  # not the abort above
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed unexpectedly", method.__name__)
-                context.abort(code, details(f"internal error: {e}"))
-            raise
-        finally:
-            OPERATION_SECONDS.labels(method.__name__, code.name).observe(time.monotonic() - started)
-
-    return wrapper
+        presented = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if not presented:
+            return _abort_unauthenticated("missing bearer token")
+        if not hmac.compare_digest(presented, self._expected):
+            return _abort_unauthenticated("invalid bearer token")
+        return continuation(handler_call_details)
 
 
 def volume_pb(v: VolumeInfo) -> pb.Volume:
@@ -189,7 +128,6 @@ class BackendServicer(pb_grpc.BackendServicer):
     def __init__(self, service: StorageService) -> None:
         self.service = service
 
-    @_rpc
     def CreateVolume(
         self, request: pb.CreateVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
@@ -205,32 +143,27 @@ class BackendServicer(pb_grpc.BackendServicer):
         )
         return volume_pb(volume)
 
-    @_rpc
     def DeleteVolume(
         self, request: pb.DeleteVolumeRequest, context: grpc.ServicerContext
     ) -> pb.DeleteVolumeResponse:
         self.service.delete_volume(request.volume_id)
         return pb.DeleteVolumeResponse()
 
-    @_rpc
     def ExpandVolume(
         self, request: pb.ExpandVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
         return volume_pb(self.service.expand_volume(request.volume_id, request.size_bytes))
 
-    @_rpc
     def SetVolumeGroup(
         self, request: pb.SetVolumeGroupRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
         return volume_pb(self.service.set_volume_group(request.volume_id, request.gid))
 
-    @_rpc
     def ModifyVolume(
         self, request: pb.ModifyVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
         return volume_pb(self.service.modify_volume(request.volume_id, dict(request.parameters)))
 
-    @_rpc
     def GetVolume(self, request: pb.GetVolumeRequest, context: grpc.ServicerContext) -> pb.Volume:
         key = request.WhichOneof("key")
         if key == "volume_id":
@@ -239,27 +172,23 @@ class BackendServicer(pb_grpc.BackendServicer):
             return volume_pb(self.service.get_volume(name=request.name))
         raise errors.InvalidArgument("give a volume_id or a name")
 
-    @_rpc
     def ListVolumes(
         self, request: pb.ListVolumesRequest, context: grpc.ServicerContext
     ) -> pb.ListVolumesResponse:
         volumes, token = self.service.list_volumes(request.max_entries, request.starting_token)
         return pb.ListVolumesResponse(volumes=[volume_pb(v) for v in volumes], next_token=token)
 
-    @_rpc
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.Snapshot:
         return snapshot_pb(self.service.create_snapshot(request.name, request.source_volume_id))
 
-    @_rpc
     def DeleteSnapshot(
         self, request: pb.DeleteSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.DeleteSnapshotResponse:
         self.service.delete_snapshot(request.snapshot_id)
         return pb.DeleteSnapshotResponse()
 
-    @_rpc
     def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
     ) -> pb.ListSnapshotsResponse:
@@ -271,13 +200,11 @@ class BackendServicer(pb_grpc.BackendServicer):
         )
         return pb.ListSnapshotsResponse(snapshots=[snapshot_pb(s) for s in snaps], next_token=token)
 
-    @_rpc
     def GetCapacity(
         self, request: pb.GetCapacityRequest, context: grpc.ServicerContext
     ) -> pb.Capacity:
         return capacity_pb(self.service.capacity())
 
-    @_rpc
     def PublishVolume(
         self, request: pb.PublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.PublishVolumeResponse:
@@ -305,14 +232,12 @@ class BackendServicer(pb_grpc.BackendServicer):
             )
         )
 
-    @_rpc
     def UnpublishVolume(
         self, request: pb.UnpublishVolumeRequest, context: grpc.ServicerContext
     ) -> pb.UnpublishVolumeResponse:
         self.service.unpublish_volume(request.volume_id, request.node_id)
         return pb.UnpublishVolumeResponse()
 
-    @_rpc
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         h = self.service.health()
         return pb.HealthResponse(
@@ -326,20 +251,17 @@ class BackendServicer(pb_grpc.BackendServicer):
             low_space=h.low_space,
         )
 
-    @_rpc
     def ListOrphans(
         self, request: pb.ListOrphansRequest, context: grpc.ServicerContext
     ) -> pb.ListOrphansResponse:
         return pb.ListOrphansResponse(orphans=[orphan_pb(o) for o in self.service.list_orphans()])
 
-    @_rpc
     def AdoptVolume(
         self, request: pb.AdoptVolumeRequest, context: grpc.ServicerContext
     ) -> pb.Volume:
         kind = _volume_type(request.type) if request.type else ""
         return volume_pb(self.service.adopt_volume(request.orphan, request.name, kind))
 
-    @_rpc
     def PurgeOrphan(
         self, request: pb.PurgeOrphanRequest, context: grpc.ServicerContext
     ) -> pb.Orphan:

@@ -1,1 +1,0 @@
-"""Backend API protocol (generated stubs live beside the .proto)."""
