@@ -9,7 +9,7 @@ import pytest
 from csi import mounts
 from csi.mounts import table
 from csi.mounts.propagation import FIX, propagation_problem
-from tests.unit.conftest import mountinfo_line
+from tests.mountinfo_lines import mountinfo_line
 
 # As mountinfo shows the kubelet directory: on the host, in a pod per
 # mountPropagation (Bidirectional, HostToContainer, None), and odder cases.
