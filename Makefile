@@ -208,8 +208,12 @@ lint: proto
 typecheck: proto
 	$(VENV)/bin/mypy
 
+# pytest runs the tests in a new random order each time (pytest-randomly) and prints
+# its seed at the end; PYTEST_ARGS=--randomly-seed=N runs an earlier run's order again,
+# PYTEST_ARGS=tests/integration/test_x.py one file (README.md, "Two commands").
+PYTEST_ARGS ?=
 unit: proto tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: host proto tools $(IMAGE)
 	$(VENV)/bin/ruff check .
@@ -217,7 +221,7 @@ test: host proto tools $(IMAGE)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/deptry .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: host proto tools
 	$(PY) -m pytest -q -p no:randomly tests/bench -o addopts="" -s

@@ -1,4 +1,5 @@
-"""Shared fixtures: real NBD server processes, sparse images, free ports."""
+"""Shared fixtures: real NBD server processes, sparse images, free ports; the order's seed
+printed at the end of a run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    """The seed of the run's order at its end, where ``-q`` still shows it: pytest-randomly
+    shuffles the tests (and prints its seed only in the header, which ``-q`` hides)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and getattr(config.option, "randomly_reorganize", False):
+        terminalreporter.write_line(
+            f"random test order, seed {seed}: --randomly-seed={seed} runs the same tests in "
+            f"the same order again (make unit PYTEST_ARGS=--randomly-seed={seed})"
+        )
 
 
 def free_port() -> int:

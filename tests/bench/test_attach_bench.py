@@ -22,7 +22,7 @@ The runs are interleaved (loop, direct, then rotated), best of
 write run.
 
 NFS (``test_fuse_nfs_vs_nfs_cp``): a real nfs-ganesha (started as in
-tests/integration/test_fuse_nfs.py) exports a directory on a tmpfs; the FUSE
+tests/fuse_nfs_mount.py) exports a directory on a tmpfs; the FUSE
 NFS mount (:func:`fuse.nfsmount.mount_nfs`, in the background, default
 options) writes a 256 MiB file of random data (``dd bs=1M conv=fsync`` from a
 file in /dev/shm) and reads it back (``dd bs=1M`` into /dev/shm, after
@@ -71,22 +71,16 @@ import pytest
 from fuse.blockdev import Attachment, attach_fuse_block, detach_fuse_block
 from fuse.nfsmount import MountError, mount_nfs, unmount
 from hostio.atomicfile import fsync_path
-from tests.bench.test_nbd_bench import (
-    ServerSpec,
-    moorage_argv,
-    ratio,
-    serving,
-    version,
-)
+from tests.bench.harness import ServerSpec, moorage_argv, ratio, serving, version
 from tests.conftest import REPO, run, sparse_image
-from tests.ganesha_env import ganesha_pids
-from tests.integration.test_fuse_nfs import (
+from tests.fuse_nfs_mount import (
     Ganesha,
     fuse_nfs_mounts,
     mounted_here,
     process_alive,
     running_ganesha,
 )
+from tests.ganesha_env import ganesha_pids
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
 

@@ -49,6 +49,7 @@ from backend.loopdevices import loop_devices
 from backend.mounts import mount_table
 from hostio.atomicfile import fsync_path
 from tests.backend_node import BackendNode, make_node
+from tests.bench.harness import percentile
 from tests.conftest import REPO, run
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
@@ -78,13 +79,6 @@ R = TypeVar("R")
 
 
 # ------------------------------------------------------------ measurements
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
 
 
 @dataclass(frozen=True)

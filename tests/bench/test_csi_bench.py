@@ -32,7 +32,7 @@ from backend.api.proto import backend_pb2 as bpb
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.backend_node import BackendNode, make_node
-from tests.bench.test_backend_bench import percentile
+from tests.bench.harness import percentile
 from tests.csi_plugin import CsiPlugin, write_config
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800)]

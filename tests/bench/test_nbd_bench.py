@@ -33,13 +33,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,19 @@ from typing import Any
 import pytest
 
 from hostio.atomicfile import fsync_path
-from tests.conftest import REPO, free_port, run, wait_for_port
+from tests.bench.harness import (
+    EXPORT,
+    Server,
+    ServerSpec,
+    moorage_argv,
+    ratio,
+    serving,
+    version,
+)
+from tests.conftest import REPO, run
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
 
-EXPORT = "bench"
 CHUNK = 8 << 20
 # The published figures use the defaults; the overrides are for trying the harness out.
 IMAGE_SIZE = int(os.environ.get("MOORAGE_BENCH_IMAGE_MIB", "1024")) * (1 << 20)
@@ -66,26 +73,6 @@ TOOLS = ("qemu-nbd", "nbdkit", "nbdcopy", "nbdinfo", "fio")
 
 
 # ------------------------------------------------------------------ servers
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str
-    argv: Callable[[int, Path], list[str]]
-
-
-def moorage_argv(port: int, image: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "moorage",
-        "nbd",
-        "serve",
-        "--export",
-        f"{EXPORT}={image}",
-        "--listen",
-        f"127.0.0.1:{port}",
-    ]
 
 
 def qemu_nbd_argv(port: int, image: Path) -> list[str]:
@@ -132,62 +119,6 @@ SERVERS = (
     ServerSpec("qemu-nbd", qemu_nbd_argv),
     ServerSpec("nbdkit", nbdkit_argv),
 )
-
-
-@dataclass
-class Server:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def uri(self) -> str:
-        return f"nbd://127.0.0.1:{self.port}/{EXPORT}"
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise AssertionError(
-                f"{self.name} exited with {self.proc.returncode}:\n{log_tail(self.log)}"
-            )
-
-
-def log_tail(log: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextmanager
-def serving(spec: ServerSpec, image: Path, logs: Path) -> Iterator[Server]:
-    """One server process on a free loopback port; stopped however the block ends."""
-    port = free_port()
-    log = logs / f"{spec.name}-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            spec.argv(port, image), stdout=out, stderr=subprocess.STDOUT, cwd=REPO
-        )
-    try:
-        wait_for_port(port, proc)
-        server = Server(spec.name, port, proc, log)
-        yield server
-        server.check_alive()
-    except BaseException:
-        print(f"\n--- {spec.name} log (last lines) ---\n{log_tail(log)}")
-        raise
-    finally:
-        stop(proc)
 
 
 # ------------------------------------------------------------------- images
@@ -487,11 +418,6 @@ def bench_all(images: Images, logs: Path, results: dict[str, Result]) -> None:
         fsync_path(images.image)
 
 
-def version(argv: list[str], lines: int = 1) -> str:
-    out = run(argv, check=False)
-    return ", ".join((out.stdout or out.stderr).strip().splitlines()[:lines])
-
-
 def moorage_revision() -> str:
     """The commit under test, and whether the server's code differs from it."""
     try:
@@ -507,10 +433,6 @@ def moorage_revision() -> str:
 def loadavg() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if a and b else "n/a"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from tests.e2e.conftest import Cluster, Namespace, busybox_pod, claim, step
-from tests.e2e.test_09_restarts import WRITER, _io, _pod_mounts, _workload, _writing
+from tests.e2e.workload import WRITER, exec_io, pod_mounts, workload, writing
 
 NAMESPACE = "moorage"
 IO_TIMEOUT = 120  # the node plugin's default: the chart's storage classes name none
@@ -56,17 +56,17 @@ def _restart_storage_node(cluster: Cluster, ns: Namespace) -> None:
 def test_a_storage_node_restart_is_a_pause_for_the_workload(
     cluster: Cluster, ns: Namespace
 ) -> None:
-    ns.apply(_workload())
+    ns.apply(workload())
     pod = ns.pod_running("worker")
     uid = pod["metadata"]["uid"]
-    assert len(_pod_mounts(uid)) == 2
-    _io(ns, "before")
-    _writing(uid, "before")
+    assert len(pod_mounts(uid)) == 2
+    exec_io(ns, "before")
+    writing(uid, "before")
     _restart_storage_node(cluster, ns)
-    _writing(uid, "after the storage node's restart")
-    _io(ns, "after")
+    writing(uid, "after the storage node's restart")
+    exec_io(ns, "after")
     ns.delete("pod", "worker")
-    ns.wait("both volumes unmounted from the pod", lambda: not _pod_mounts(uid), timeout=120)
+    ns.wait("both volumes unmounted from the pod", lambda: not pod_mounts(uid), timeout=120)
 
 
 AWAY_TIMEOUT = 30  # the classes of the second case: a short bound keeps the run short
@@ -127,7 +127,7 @@ def test_a_pod_deleted_while_its_storage_node_is_gone_terminates(
             busybox_pod("worker", WRITER, {"block": "/block", "shared": "/shared"}),
         ])  # fmt: skip
         uid = ns.pod_running("worker")["metadata"]["uid"]
-        _writing(uid, "before")
+        writing(uid, "before")
         # the storage node goes and stays away: its DaemonSet selects no node
         _select(cluster, ds, STAY_AWAY)
         ns.wait("the storage node gone", lambda: not _storage_node_pods(cluster), timeout=180)
@@ -137,7 +137,7 @@ def test_a_pod_deleted_while_its_storage_node_is_gone_terminates(
         ns.wait("pod worker gone", lambda: ns.get("pod", "worker") is None, timeout=600)
         took = time.monotonic() - started
         step(f"pod worker went {took:.0f} s after its deletion (I/O timeout {AWAY_TIMEOUT} s)")
-        assert not _pod_mounts(uid)
+        assert not pod_mounts(uid)
     finally:
         _select(cluster, ds, selector)
         ns.wait("the storage node back", lambda: len(_storage_node_pods(cluster)) == 1

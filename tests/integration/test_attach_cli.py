@@ -42,7 +42,7 @@ from csi import attach, mounts
 from moorage.cli import build_app
 from nbd import kernel as nbd_kernel
 from tests.conftest import REPO, NBDServerFactory, run, sparse_image
-from tests.integration.test_fuse_nfs import Ganesha, running_ganesha
+from tests.fuse_nfs_mount import Ganesha, mount_processes, running_ganesha
 
 app = build_app()
 MiB = 1 << 20
@@ -249,16 +249,6 @@ def test_an_nbd_export_attached_formatted_mounted_and_detached_through_the_cli(
 def ganesha() -> Iterator[Ganesha]:
     with running_ganesha(size="64m") as g:
         yield g
-
-
-def mount_processes(mountpoint: Path) -> list[int]:
-    found = subprocess.run(
-        ["pgrep", "-f", f"fuse.nfsmount .* {mountpoint} "],
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return [int(pid) for pid in found.stdout.split()]
 
 
 @pytest.fixture

@@ -31,6 +31,16 @@ import pytest
 from backend.api.client import BackendClient
 from backend.api.proto import backend_pb2 as pb
 from backend.pool import Pool
+from tests.backend_calls import (
+    big_random_file,
+    expect,
+    nbd_uri,
+    nbd_volume,
+    nfs_volume,
+    pool_images,
+    rpc_error,
+    tool,
+)
 from tests.backend_node import BackendNode, backend_node, make_node  # noqa: F401
 from tests.conftest import REPO, free_port
 
@@ -47,33 +57,6 @@ def node(backend_node: BackendNode) -> BackendNode:  # noqa: F811
     return backend_node
 
 
-def rpc_error(fn: Callable[..., object], *args: Any, **kwargs: Any) -> grpc.Call:
-    """Call ``fn(*args, **kwargs)``, which must fail with a gRPC status; return the error."""
-    with pytest.raises(grpc.RpcError) as info:
-        fn(*args, **kwargs)
-    return cast(grpc.Call, info.value)
-
-
-def expect(code: grpc.StatusCode, fn: Callable[..., object], *args: Any, **kwargs: Any) -> str:
-    """``fn(*args, **kwargs)`` fails with ``code``; returns the status details."""
-    err = rpc_error(fn, *args, **kwargs)
-    assert err.code() == code, f"expected {code.name}, got {err.code().name}: {err.details()}"
-    return err.details() or ""
-
-
-def tool(
-    *argv: str, check: bool = True, timeout: float = 120
-) -> subprocess.CompletedProcess[bytes]:
-    """Run a client tool; output as bytes (nfs-cat prints file contents)."""
-    result = subprocess.run(list(argv), capture_output=True, timeout=timeout, check=False)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{list(argv)} exited {result.returncode}\nstdout: {result.stdout[-2000:]!r}\n"
-            f"stderr: {result.stderr[-2000:]!r}"
-        )
-    return result
-
-
 def output(result: subprocess.CompletedProcess[bytes]) -> str:
     return (result.stdout + result.stderr).decode(errors="replace")
 
@@ -82,27 +65,6 @@ def random_file(path: Path, size: int) -> bytes:
     data = os.urandom(size)
     path.write_bytes(data)
     return data
-
-
-def big_random_file(path: Path, size: int) -> str:
-    """A file of ``size`` random bytes, written in chunks; returns its sha256."""
-    digest = hashlib.sha256()
-    chunk = os.urandom(4 * MiB)
-    with path.open("wb") as f:
-        left = size
-        while left:
-            piece = chunk[: min(left, len(chunk))]
-            # vary the chunks so equal blocks cannot hide misplaced ones
-            piece = left.to_bytes(8, "little") + piece[8:]
-            f.write(piece)
-            digest.update(piece)
-            left -= len(piece)
-    return digest.hexdigest()
-
-
-def nbd_uri(target: pb.PublishVolumeResponse) -> str:
-    assert target.WhichOneof("target") == "nbd"
-    return f"nbd://{target.nbd.host}:{target.nbd.port}/{target.nbd.export_name}"
 
 
 def nbdinfo(uri: str) -> dict[str, Any]:
@@ -122,37 +84,6 @@ def qemu_io(
     return tool(*argv, uri, check=check)
 
 
-def _create(
-    c: BackendClient, req: pb.CreateVolumeRequest, snapshot_id: str, volume_id: str
-) -> pb.Volume:
-    if snapshot_id:
-        req.snapshot_id = snapshot_id
-    if volume_id:
-        req.volume_id = volume_id
-    return c.create_volume(req)
-
-
-def nbd_volume(
-    c: BackendClient, name: str, size: int, snapshot_id: str = "", volume_id: str = ""
-) -> pb.Volume:
-    req = pb.CreateVolumeRequest(name=name, type=pb.NBD, size_bytes=size)
-    return _create(c, req, snapshot_id, volume_id)
-
-
-def nfs_volume(
-    c: BackendClient,
-    name: str,
-    size: int,
-    fs_type: str = "xfs",
-    snapshot_id: str = "",
-    volume_id: str = "",
-) -> pb.Volume:
-    req = pb.CreateVolumeRequest(
-        name=name, type=pb.NFS, size_bytes=size, parameters={"fs_type": fs_type}
-    )
-    return _create(c, req, snapshot_id, volume_id)
-
-
 def all_volumes(c: BackendClient) -> list[pb.Volume]:
     volumes: list[pb.Volume] = []
     token = ""
@@ -162,11 +93,6 @@ def all_volumes(c: BackendClient) -> list[pb.Volume]:
         token = page.next_token
         if not token:
             return volumes
-
-
-def pool_images(node: BackendNode, kind: str = "volumes") -> set[str]:
-    folder = node.pool_dir / kind
-    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
 
 
 def mounted_under(path: Path) -> list[str]:

@@ -33,9 +33,7 @@ from backend.api.proto import backend_pb2 as pb
 from backend.pool import Pool
 from backend.poolinit import init_loop_pool, release_loop_pool
 from nbd.libnbd import NBDClient
-from tests.backend_node import BackendNode, make_node
-from tests.conftest import free_port
-from tests.integration.test_backend import (
+from tests.backend_calls import (
     big_random_file,
     expect,
     nbd_uri,
@@ -44,7 +42,9 @@ from tests.integration.test_backend import (
     pool_images,
     tool,
 )
-from tests.integration.test_backend_metrics import scrape, value
+from tests.backend_node import BackendNode, make_node
+from tests.conftest import free_port
+from tests.prometheus_text import scrape, value
 
 MiB = 1 << 20
 POOL_SIZE = 1024 * MiB

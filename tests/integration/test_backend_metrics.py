@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 from backend.api.proto import backend_pb2 as pb
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import free_port
+from tests.prometheus_text import scrape, scrape_text, value
 
 FAMILIES = (
     "moorage_volumes",
@@ -55,28 +54,6 @@ def node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
 def plain_node(tmp_path: Path) -> Iterator[tuple[BackendNode, int]]:
     """A node with the default metrics: totals only."""
     yield from metered_node(tmp_path / "node")
-
-
-def scrape_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text: str = r.read().decode()
-    return text
-
-
-def scrape(port: int) -> dict[str, float]:
-    samples = {}
-    for line in scrape_text(port).splitlines():
-        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
-        if m:
-            samples[m[1]] = float(m[2])
-    return samples
-
-
-def value(samples: dict[str, float], family: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as exposed
-    key = f"{family}{{{want}}}" if labels else family
-    assert key in samples, f"{key} not in {sorted(k for k in samples if k.startswith(family))}"
-    return samples[key]
 
 
 def test_metrics_answer_and_the_byte_counters_move(node: tuple[BackendNode, int]) -> None:

@@ -26,7 +26,7 @@ from psycopg import sql
 from sqlalchemy import URL
 
 from backend.catalog.db import Catalog
-from tests.unit.test_catalog import CatalogBehaviour
+from tests.catalog_behaviour import CatalogBehaviour
 
 PG_USER = "postgres"
 PG_PORT = 5432  # names the socket file only; the socket directory is private

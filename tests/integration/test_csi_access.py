@@ -1,7 +1,7 @@
 """ControllerPublishVolume opens a volume to the node it names, and to no other.
 
 The storage node runs in its own network namespace with two client
-namespaces beside it (the topology of ``test_backend_access``); the CSI
+namespaces beside it (``tests/access_site.py``); the CSI
 controller publishes to node A by the node id node A's plugin would report
 (``NAME@ADDRESS``), and the real clients (nbdinfo, libnfs's nfs-ls) are run
 from A and from B.
@@ -16,19 +16,17 @@ import pytest
 
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
-from tests.csi_plugin import CsiPlugin, write_config
-from tests.integration.test_backend_access import (
+from tests.access_site import (
     A_IP,
     B_IP,
     NBD_NO_EXPORT,
     NFS_MOUNT_REFUSED,
     Site,
     refused,
-    site,
+    site_fixture,  # noqa: F401  (the module-scoped site)
     succeeds,
 )
-
-__all__ = ["site"]  # the storage node in its namespace, shared with test_backend_access
+from tests.csi_plugin import CsiPlugin, write_config
 
 Mode = pb.VolumeCapability.AccessMode
 NODE_A = f"node-a@{A_IP}"

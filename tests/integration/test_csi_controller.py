@@ -8,9 +8,11 @@ different topology segments, a storage node that dies and comes back,
 metrics, and the socket's own life.
 
 Why this file is long: most tests run against one module-scoped storage node and
-controller plugin (``one``), and the metrics test counts the calls the tests before it
-made, so a split would start another storage node and lose that; the two-node tests
-share ``two`` the same way.
+controller plugin (``one``), started once for them all, and the two-node tests share
+``two`` the same way.  Each test makes the volumes it needs under names of its own and
+counts only what it did itself (the metrics test reads its counters before and after), so
+the tests pass alone and in any order; the test that kills the storage node starts it
+again before it ends.
 """
 
 from __future__ import annotations
@@ -418,14 +420,49 @@ def test_modify_volume_limits_iops_live_on_open_connections(one: OneNode) -> Non
 # -------------------------------------------------------------- observability
 
 
-def test_metrics_count_every_call_by_method_and_code(one: OneNode) -> None:
-    one.csi.stub.ControllerGetCapabilities(pb.ControllerGetCapabilitiesRequest())
+def calls_counted(one: OneNode, method: str, code: str) -> float:
+    """The controller's count of ``method`` calls answered with ``code`` (0 before the first)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{one.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    assert 'method_name="/csi.v1.Controller/ControllerGetCapabilities"' in text
-    assert 'grpc_status_code="NOT_FOUND"' in text  # from the tests before this one
-    log = one.csi.plugin.log_text()
-    assert "CreateVolume name=idem" in log and "ALREADY_EXISTS" in log
+    labels = (f'method_name="/csi.v1.Controller/{method}"', f'grpc_status_code="{code}"')
+    samples = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("csi_plugin_operations_seconds_count{")
+        and all(label in line for label in labels)
+    ]
+    assert len(samples) <= 1, samples
+    return samples[0] if samples else 0.0
+
+
+def test_metrics_count_every_call_by_method_and_code(one: OneNode) -> None:
+    stub = one.csi.stub
+    before = {
+        (method, code): calls_counted(one, method, code)
+        for method, code in (
+            ("ControllerGetCapabilities", "OK"),
+            ("ControllerGetVolume", "NOT_FOUND"),
+            ("CreateVolume", "OK"),
+            ("CreateVolume", "ALREADY_EXISTS"),
+        )
+    }
+    stub.ControllerGetCapabilities(pb.ControllerGetCapabilitiesRequest())
+    missing = pb.ControllerGetVolumeRequest(volume_id="sn-a:" + "2" * 32)
+    assert code_of(lambda: stub.ControllerGetVolume(missing)) == grpc.StatusCode.NOT_FOUND
+    one.csi.create("metered", size=16 * MIB)
+    one.csi.create("metered", size=16 * MIB)
+    assert code_of(lambda: one.csi.create("metered", size=32 * MIB)) == (
+        grpc.StatusCode.ALREADY_EXISTS
+    )
+    after = {key: calls_counted(one, *key) for key in before}
+    assert {key: after[key] - before[key] for key in before} == {
+        ("ControllerGetCapabilities", "OK"): 1,
+        ("ControllerGetVolume", "NOT_FOUND"): 1,
+        ("CreateVolume", "OK"): 2,
+        ("CreateVolume", "ALREADY_EXISTS"): 1,
+    }
+    lines = one.csi.plugin.log_text().splitlines()
+    assert any("CreateVolume name=metered" in line and "ALREADY_EXISTS" in line for line in lines)
 
 
 def test_a_live_socket_is_refused_a_stale_one_replaced(one: OneNode, tmp_path: Path) -> None:
@@ -576,6 +613,9 @@ def test_capacity_is_answered_per_segment(two: TwoNodes) -> None:
 
 
 def test_listing_pages_across_storage_nodes(two: TwoNodes) -> None:
+    for name in ("listed-a1", "listed-a2", "listed-b1", "listed-b2"):
+        where = pb.TopologyRequirement(requisite=[seg(name[-2])])
+        two.csi.create(name, accessibility_requirements=where)
     everything = two.csi.volume_ids()
     assert {v.split(":")[0] for v in everything} == {"sn-a", "sn-b"}
     seen: list[str] = []

@@ -38,7 +38,7 @@ from tests.csi_site import (
     mounted,
     site_fixture,  # noqa: F401  (the module-scoped site)
 )
-from tests.integration.test_attach_cli import mount_processes
+from tests.fuse_nfs_mount import mount_processes
 
 # Far longer than any test may wait: only a definitive answer explains an error before it.
 LONG_IO_TIMEOUT = "600"

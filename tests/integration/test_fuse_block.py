@@ -4,20 +4,14 @@ Every test runs against moorage's own server (``moorage nbd serve``) or
 ``qemu-nbd`` (the peer), or both, on a sparse image in the test's tmp dir.
 An export is attached with :func:`attach_fuse_block` (a ``python -m
 fuse.blockfile`` process and a loop device), formatted with mkfs.ext4 /
-mkfs.xfs and mounted with the kernel's own filesystems.  A
-:class:`BlockStack` remembers what a test attached and mounted and takes it
-down in reverse whatever happened, then checks that no mount, loop device or
-FUSE process of the test is left (``/proc/mounts``, ``losetup -a``,
+mkfs.xfs and mounted with the kernel's own filesystems.  A :class:`BlockStack`
+(``tests/fuse_block_stack.py``) remembers what a test attached and mounted and
+takes it down in reverse whatever happened, then checks that no mount, loop
+device or FUSE process of the test is left (``/proc/mounts``, ``losetup -a``,
 ``pgrep -f fuse.blockfile``).
 
 ext4 grows offline here: online resize2fs needs CAP_SYS_RESOURCE, which
 this environment drops ("Permission denied to resize filesystem").
-
-Why this file is long: nearly half of it is the harness the tests use (moorage and
-qemu-nbd servers that can be killed and restarted on the same port, the BlockStack
-teardown and its leftover check, the mkfs/fsck/checksum helpers, the Writer thread), and
-each test is a whole filesystem lifecycle: mkfs, write, detach, reattach, fsck, grow, or
-a server restart under a writer.
 """
 
 from __future__ import annotations
@@ -26,19 +20,15 @@ import contextlib
 import errno
 import hashlib
 import os
-import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyfuse3
 import pytest
 
 from fuse.blockdev import (
-    Attachment,
     attach_fuse_block,
     detach_fuse_block,
     list_attachments,
@@ -58,12 +48,19 @@ from fuse.nbdconnections import ExportConnections
 from fuse.process import fusectl
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, free_port, run, sparse_image, wait_for_port
+from tests.fuse_block_stack import (
+    IMAGE_SIZE,
+    IO_TIMEOUT,
+    BlockStack,
+    MiB,
+    Writer,
+    leftovers,
+    mkfs,
+    reads_again,
+)
 
-MiB = 1 << 20
-IMAGE_SIZE = 512 * MiB
 PAYLOAD_FILES = 8
 PAYLOAD_FILE_SIZE = 25 * MiB  # 200 MiB in all
-IO_TIMEOUT = 60.0  # a request waits this long for a server that went away (tests only)
 
 
 # ------------------------------------------------------------------ servers
@@ -177,86 +174,6 @@ def moorage_server(nbd_servers: NBDServerFactory, tmp_path: Path) -> Iterator[NB
 # ------------------------------------------------------------------ the stack
 
 
-def fuse_processes(marker: str) -> list[str]:
-    result = subprocess.run(
-        ["pgrep", "-af", "fuse.blockfile"], capture_output=True, text=True, timeout=10
-    )
-    return [line for line in result.stdout.splitlines() if marker in line]
-
-
-def leftovers(tmp: Path) -> list[str]:
-    """Mounts, loop devices and FUSE processes of this test that still exist."""
-    marker = str(tmp)
-    with open("/proc/mounts") as mounts:
-        found = [f"mount: {line.strip()}" for line in mounts if marker in line]
-    loops = run(["losetup", "-a"]).stdout.splitlines()
-    found += [f"loop: {line}" for line in loops if marker in line]
-    found += [f"process: {line}" for line in fuse_processes(marker)]
-    return found
-
-
-@dataclass
-class BlockStack:
-    """What a test attached and mounted, taken down in reverse order whatever happened."""
-
-    tmp: Path
-    attached: list[str] = field(default_factory=list)  # URIs
-    mounts: list[Path] = field(default_factory=list)
-
-    @property
-    def state_dir(self) -> Path:
-        return self.tmp / "state"
-
-    def attach(self, uri: str) -> Attachment:
-        self.attached.append(uri)
-        attachment = attach_fuse_block(uri, self.state_dir, connections=4, timeout=IO_TIMEOUT)
-        assert loop_status(attachment.device) is not None
-        return attachment
-
-    def detach(self, attachment: Attachment) -> None:
-        assert detach_fuse_block(attachment.device, self.state_dir)
-        self.attached.remove(attachment.uri)
-
-    def mount(self, device: str, fstype: str) -> Path:
-        target = self.tmp / f"fs{len(self.mounts)}-{os.path.basename(device)}"
-        target.mkdir(exist_ok=True)
-        run(["mount", "-t", fstype, device, str(target)])
-        self.mounts.append(target)
-        return target
-
-    def umount(self, target: Path) -> None:
-        run(["umount", str(target)])
-        self.mounts.remove(target)
-
-    def close(self) -> None:
-        """Unmount, detach; kill what refuses; then nothing of the test may be left."""
-        for target in reversed(self.mounts):
-            umount = subprocess.Popen(["umount", str(target)], stderr=subprocess.DEVNULL)
-            try:
-                code = umount.wait(20)
-            except subprocess.TimeoutExpired:
-                code = None
-            if code != 0:
-                self._kill_fuse()  # a server that is gone: fail its I/O so unmounting ends
-                umount.wait(60)
-                subprocess.run(["umount", "-l", str(target)], timeout=60, capture_output=True)
-        self.mounts.clear()
-        for uri in reversed(self.attached):
-            try:
-                detach_fuse_block(uri, self.state_dir, timeout=10)
-            except Exception:
-                self._kill_fuse()
-                detach_fuse_block(uri, self.state_dir, timeout=10)
-        self.attached.clear()
-        left = leftovers(self.tmp)
-        assert not left, "left behind:\n" + "\n".join(left)
-
-    def _kill_fuse(self) -> None:
-        for line in fuse_processes(str(self.state_dir)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[BlockStack]:
     s = BlockStack(tmp_path)
@@ -267,11 +184,6 @@ def stack(tmp_path: Path) -> Iterator[BlockStack]:
 
 
 # ------------------------------------------------------------------ file systems
-
-
-def mkfs(fstype: str, device: str) -> None:
-    argv = ["mkfs.ext4", "-F", "-q"] if fstype == "ext4" else ["mkfs.xfs", "-f", "-q"]
-    run([*argv, device])
 
 
 def fsck_clean(fstype: str, device: str) -> None:
@@ -396,44 +308,6 @@ def test_ext4_grows_offline(moorage_server: NBDServer, stack: BlockStack) -> Non
     assert checksums(target, list(written)) == written
 
 
-class Writer(threading.Thread):
-    """Writes and fsyncs small files until stopped; remembers those whose fsync returned."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(name="writer", daemon=True)
-        self.directory = directory
-        self.done: dict[str, str] = {}
-        self.error: BaseException | None = None
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        try:
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                for i in range(1_000_000):
-                    if self.stopping.is_set():
-                        return
-                    data = os.urandom(256 * 1024 + i * 4096 % MiB)
-                    name = f"w-{i:05d}.bin"
-                    with (self.directory / name).open("wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.fsync(dir_fd)
-                    self.done[name] = hashlib.sha256(data).hexdigest()
-            finally:
-                os.close(dir_fd)
-        except BaseException as e:
-            self.error = e
-
-    def wait_for(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.done) < count:
-            assert self.error is None, self.error
-            assert time.monotonic() < deadline, f"only {len(self.done)} of {count} files written"
-            time.sleep(0.05)
-
-
 def test_server_restart_is_a_pause_not_an_error(server: NBDServer, stack: BlockStack) -> None:
     attachment = stack.attach(server.uri)
     mkfs("ext4", attachment.device)
@@ -485,19 +359,6 @@ def test_requests_fail_after_the_timeout_and_work_again_later(
         reads_again(fd, b"x" * 4096, within=30)
     finally:
         os.close(fd)
-
-
-def reads_again(fd: int, expected: bytes, within: float) -> None:
-    """Past the bound a connection is tried again every 2 s: read the start of ``fd``
-    until the export answers, ``expected`` (within ``within`` seconds)."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            assert os.pread(fd, len(expected), 0) == expected
-            return
-        except OSError:
-            assert time.monotonic() < deadline, "the export did not come back"
-            time.sleep(0.5)
 
 
 def test_teardown_after_a_failure_leaves_nothing(moorage_server: NBDServer, tmp_path: Path) -> None:

@@ -38,14 +38,7 @@ import pytest
 from fuse.blockdev import attach_fuse_block, detach_fuse_block
 from fuse.loop import loop_status
 from tests.conftest import NBDServerFactory, free_port, sparse_image
-from tests.integration.test_fuse_block import (
-    IMAGE_SIZE,
-    BlockStack,
-    MiB,
-    Writer,
-    mkfs,
-    reads_again,
-)
+from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, Writer, mkfs, reads_again
 
 # The I/O timeout of attachments that must fail long before it.
 LONG_TIMEOUT = 300.0

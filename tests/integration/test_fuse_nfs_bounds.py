@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.fuse_nfs_mount import Ganesha, fuse_mount, running_ganesha
 from tests.ganesha_env import ganesha_pids
-from tests.integration.test_fuse_nfs import Ganesha, fuse_mount, running_ganesha
 
 PROMPTLY = 60.0  # a generous bound for what the timeout must end, on a loaded machine
 BOUND = 16.0  # the mount's --timeout where a test tells "after the bound" from "at once"

@@ -17,7 +17,7 @@ from csi import mounts
 from fuse.loop import loop_mountpoints
 from hostio import tools
 from hostio.mountinfo import read_mountinfo
-from tests.integration.conftest import Disks
+from tests.disks import Disks
 
 MiB = 1 << 20
 AWKWARD = [

@@ -44,7 +44,7 @@ from nbd.libnbd import (
 )
 from nbd.libnbd_pool import ConnectionPool
 from tests.conftest import REPO, NBDServerFactory, free_port, sparse_image, wait_for_port
-from tests.integration.test_nbd_clients import (
+from tests.nbd_tools import (
     MiB,
     allocated_bytes,
     allocation_map,

@@ -14,7 +14,7 @@ import pytest
 from csi import mounts
 from csi.mounts import FilesystemError
 from tests.conftest import run
-from tests.integration.conftest import Disks
+from tests.disks import Disks
 
 MiB = 1 << 20
 XFS_MIN = 512 * MiB  # mkfs.xfs wants more than 300 MB

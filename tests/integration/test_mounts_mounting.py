@@ -12,7 +12,7 @@ import pytest
 
 from csi import mounts
 from csi.mounts import FilesystemError, MountError, MountOptionError
-from tests.integration.conftest import Disks
+from tests.disks import Disks
 
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import NBDServerFactory, NBDServerProcess, sparse_image
-from tests.integration.test_nbd_clients import (
+from tests.nbd_tools import (
     FLUSH,
     FUA,
     NO_HOLE,

@@ -16,7 +16,7 @@ import pytest
 import trustme
 
 from tests.conftest import NBDServerFactory, NBDServerProcess, run, sparse_image
-from tests.integration.test_nbd_clients import (
+from tests.nbd_tools import (
     TIMEOUT,
     MiB,
     connections_served,

@@ -10,30 +10,6 @@ import pytest
 from csi.mounts import table, tools
 
 
-def _escape(path: str) -> str:
-    """As the kernel writes a path in mountinfo."""
-    for char in "\\ \t\n":
-        path = path.replace(char, f"\\{ord(char):03o}")
-    return path
-
-
-def mountinfo_line(
-    mount_id: int,
-    mount_point: str,
-    source: str,
-    fstype: str,
-    *,
-    dev: str = "7:3",
-    root: str = "/",
-    options: str = "rw,relatime",
-    optional: str = "shared:1",
-    super_options: str = "rw",
-) -> str:
-    fields = [str(mount_id), "1", dev, _escape(root), _escape(mount_point), options]
-    fields += [*optional.split(), "-", fstype, _escape(source), super_options]
-    return " ".join(fields)
-
-
 @pytest.fixture
 def mountinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fake /proc/self/mountinfo the module reads instead of the real one."""

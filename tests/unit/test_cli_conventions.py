@@ -16,7 +16,7 @@ import typer
 from moorage.admin_cmd import unreachable
 from moorage.cli import command
 from moorage.output import CANNOT_START, FAILED, first_line, leaves, run_service
-from tests.unit.test_csi_pieces import FakeRpcError
+from tests.fake_rpc import FakeRpcError
 
 TYPE_NOISE = re.compile(r"<(str|bool|int|float|path|list\[[a-z]+\]|[a-z]+\|[a-z|]+)>")
 

@@ -26,6 +26,7 @@ from csi.ids import ObjectRef, node_id, parse_node_id, parse_object_id
 from csi.locks import OperationLocks
 from csi.proto import csi_pb2 as pb
 from csi.requests import MIB, backend_name, requested_size
+from tests.fake_rpc import FakeRpcError
 
 ZONE = "topology.csi.moorage.dev/zone"
 Mode = pb.VolumeCapability.AccessMode
@@ -336,17 +337,6 @@ def test_a_second_call_on_a_busy_key_is_aborted() -> None:
 
 
 # ------------------------------------------------------------ error mapping
-
-
-class FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 from csi import mounts
 from csi.mounts import FilesystemError, MountOptionError, tools
-from tests.unit.conftest import mountinfo_line
+from tests.mountinfo_lines import mountinfo_line
 
 
 def test_mount_refuses_bad_options_before_running_anything(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from csi import mounts
-from tests.unit.conftest import mountinfo_line
+from tests.mountinfo_lines import mountinfo_line
 
 FIX = "mount propagation of the kubelet dir must be Bidirectional/shared"
 PRIVATE = "which is private: mounts made on it never leave this mount namespace"

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from csi import mounts
-from tests.unit.conftest import mountinfo_line
+from tests.mountinfo_lines import mountinfo_line
 
 
 def test_mountinfo_escapes_are_decoded(mountinfo: Path) -> None:

@@ -3,7 +3,7 @@
 This CI kernel has no nbd driver: the probe and ``attach_kernel`` are proven
 to fail cleanly here.  On a host that has one, the ``no_kernel_nbd`` fixture
 hides it, so the same tests still prove the unavailable path.  The messages
-sent are checked against hand-assembled bytes (helpers from test_nbd_netlink).
+sent are checked against hand-assembled bytes (``tests/netlink_bytes.py``).
 """
 
 from __future__ import annotations
@@ -23,16 +23,7 @@ from nbd.constants import TransmissionFlag
 from nbd.kernel import KernelNBDError, KernelNBDUnavailable
 from nbd.kernel_monitor import LinkDeadMonitor
 from nbd.netlink import DeviceStatus, GenlFamily, NetlinkMessage, parse_nlmsgs
-from tests.unit.test_nbd_netlink import (
-    FAMILY,
-    PORT_ID,
-    genlhdr,
-    nlhdr,
-    status_reply,
-    u16,
-    u32,
-    u64,
-)
+from tests.netlink_bytes import FAMILY, PORT_ID, genlhdr, nlhdr, status_reply, u16, u32, u64
 
 # ----------------------------------------------------------- probe, attach
 

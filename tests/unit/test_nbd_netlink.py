@@ -1,8 +1,7 @@
 """Generic netlink (``nbd.netlink``, ``nbd.netlink_socket``): encodings, byte for byte.
 
-The expected bytes are assembled by hand here, field by field, without the
-module's struct formats.  Netlink is host byte order, so the fields are
-written with ``int.to_bytes(..., sys.byteorder)``.  Every uapi value the
+The expected bytes are assembled by hand, field by field, without the
+module's struct formats (``tests/netlink_bytes.py``).  Every uapi value the
 module hard-codes is also checked against the installed kernel headers
 (``linux-libc-dev``, installed by deploy/host/install-deps.sh).
 """
@@ -10,7 +9,6 @@ module hard-codes is also checked against the installed kernel headers
 from __future__ import annotations
 
 import errno
-import sys
 
 import pytest
 
@@ -29,38 +27,7 @@ from tests.kernel_headers import (
     _require,
     header_constants,
 )
-
-FAMILY = 0x1D  # an nbd family id as the controller might hand it out
-PORT_ID = 0x2B3B  # the kernel-assigned netlink port id in canned replies
-
-
-def u8(n: int) -> bytes:
-    return n.to_bytes(1, sys.byteorder)
-
-
-def u16(n: int) -> bytes:
-    return n.to_bytes(2, sys.byteorder)
-
-
-def u32(n: int) -> bytes:
-    return n.to_bytes(4, sys.byteorder)
-
-
-def u64(n: int) -> bytes:
-    return n.to_bytes(8, sys.byteorder)
-
-
-def i32(n: int) -> bytes:
-    return n.to_bytes(4, sys.byteorder, signed=True)
-
-
-def nlhdr(length: int, type_: int, flags: int, seq: int, pid: int = 0) -> bytes:
-    return u32(length) + u16(type_) + u16(flags) + u32(seq) + u32(pid)
-
-
-def genlhdr(cmd: int, version: int) -> bytes:
-    return u8(cmd) + u8(version) + u16(0)
-
+from tests.netlink_bytes import FAMILY, PORT_ID, genlhdr, i32, nlhdr, status_reply, u16, u32, u64
 
 # ------------------------------------------------------ attribute encoding
 
@@ -220,15 +187,6 @@ def test_parse_getfamily_reply() -> None:
     assert kernel.parse_family(messages) == GenlFamily(
         id=FAMILY, name="nbd", version=1, mcast_groups={"nbd_mc_group": 7}
     )
-
-
-def status_reply(seq: int, items: list[tuple[int, int]], nested_flag: int) -> bytes:
-    body = b""
-    for index, connected in items:
-        fields = u16(8) + u16(1) + u32(index) + u16(5) + u16(2) + u8(connected) + b"\0\0\0"
-        body += u16(4 + len(fields)) + u16(nested_flag | 1) + fields
-    device_list = u16(4 + len(body)) + u16(nested_flag | 9) + body
-    return nlhdr(20 + len(device_list), FAMILY, 0, seq, PORT_ID) + genlhdr(5, 1) + device_list
 
 
 def test_parse_status_reply_as_the_kernel_sends_it() -> None:
