@@ -23,6 +23,7 @@ from pathlib import Path
 
 from backend.api.errors import AlreadyExists, ResourceExhausted
 from hostio.atomicfile import fsync_directory, fsync_path
+from hostio.extents import data_extents
 
 MiB = 1 << 20
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
@@ -40,17 +41,8 @@ def _clone_or_copy(src_fd: int, dst_fd: int) -> bool:
         if e.errno not in NO_REFLINK:
             raise
     size = os.fstat(src_fd).st_size
-    pos = 0
-    while pos < size:
-        try:
-            data = os.lseek(src_fd, pos, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # only a hole is left
-                break
-            raise
-        hole = os.lseek(src_fd, data, os.SEEK_HOLE)
+    for data, hole in data_extents(src_fd, 0, size):
         _copy_range(src_fd, dst_fd, data, hole - data)
-        pos = hole
     os.ftruncate(dst_fd, size)
     return False
 
@@ -123,18 +115,7 @@ def data_bytes(path: Path) -> int:
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        total = pos = 0
-        while pos < size:
-            try:
-                data = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # only a hole is left
-                    break
-                raise
-            pos = os.lseek(fd, data, os.SEEK_HOLE)
-            total += pos - data
-        return total
+        return sum(hole - data for data, hole in data_extents(fd))
     finally:
         os.close(fd)
 

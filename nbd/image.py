@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from hostio.extents import data_extents
 from nbd.iov import consume
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -210,29 +211,16 @@ class Image:
         end = min(offset + length, self.size)
         runs: list[tuple[int, bool]] = []
         pos = offset
-        while pos < end and len(runs) < limit:
-            try:
-                data = os.lseek(self.fd, pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # only a hole from here to EOF
-                    runs.append((end - pos, True))
-                    break
-                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no hole support
-                    runs.append((end - pos, False))
-                    break
-                raise
+        for data, data_end in data_extents(self.fd, offset, end):
             if data > pos:
-                hole_end = min(data, end)
-                runs.append((hole_end - pos, True))
-                pos = hole_end
-                continue
-            try:
-                hole = os.lseek(self.fd, pos, os.SEEK_HOLE)
-            except OSError as e:
-                if e.errno != errno.ENXIO:
-                    raise
-                hole = end
-            data_end = min(hole, end)
-            runs.append((data_end - pos, False))
+                runs.append((data - pos, True))
+                pos = data
+                if len(runs) >= limit:
+                    return runs
+            runs.append((data_end - data, False))
             pos = data_end
+            if len(runs) >= limit:
+                return runs
+        if pos < end:
+            runs.append((end - pos, True))
         return runs
