@@ -1,26 +1,39 @@
 """The benchmarks' harness: an NBD server process on a free loopback port, stopped
-however the run ends (its log's tail printed if it failed), an image fsynced between
-runs, and the figures of a report: nearest-rank percentiles, ratios, tool versions."""
+however the run ends with every process it started (its log's tail printed if it
+failed), the process tree of a server, and the figures of a report: nearest-rank
+percentiles, ratios, tool versions.
+
+``MOORAGE_BENCH_NBD_ARGS`` adds arguments to moorage's ``nbd serve`` command line
+(split as a shell would, e.g. ``--workers 2``), so that a build with other settings
+is measured without editing the benchmarks."""
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import REPO, free_port, run, wait_for_port
 
 EXPORT = "bench"
+NBD_ARGS_ENV = "MOORAGE_BENCH_NBD_ARGS"
 
 
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
     argv: Callable[[int, Path], list[str]]
+
+
+def moorage_extra_args() -> list[str]:
+    """The extra ``nbd serve`` arguments of ``MOORAGE_BENCH_NBD_ARGS`` (none by default)."""
+    return shlex.split(os.environ.get(NBD_ARGS_ENV, ""))
 
 
 def moorage_argv(port: int, image: Path) -> list[str]:
@@ -34,7 +47,36 @@ def moorage_argv(port: int, image: Path) -> list[str]:
         f"{EXPORT}={image}",
         "--listen",
         f"127.0.0.1:{port}",
+        *moorage_extra_args(),
     ]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants still alive (each thread's children, recursively)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue  # gone meanwhile
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return tree
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 @dataclass
@@ -63,6 +105,9 @@ def log_tail(log: Path, lines: int = 30) -> str:
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` s; descendants the server left behind
+    (worker processes) are killed after it has gone."""
+    children = [(p, _start_time(p)) for p in process_tree(proc.pid)[1:]]
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -70,6 +115,10 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    for pid, started in children:
+        if started is not None and _start_time(pid) == started:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextmanager
