@@ -32,7 +32,10 @@ ROUNDS = 2  # each workload: pod, host, then host, pod; the best of each side ke
 # The node's path to the export, by the pod's device's major number.
 DEVICE_KINDS = {7: "a loop device (the FUSE block file)", 43: "a kernel nbd device"}
 # What fio writes in the pod and checks there, then checks again from the host.
-VERIFY = ["--name=verify", "--rw=write", "--bs=64k", "--size=64m", "--verify=crc32c"]
+VERIFY = [
+    "--name=verify", "--rw=write", "--bs=64k", "--size=64m", "--verify=crc32c",
+    "--verify_state_save=0",  # no state file left in the working directory
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
