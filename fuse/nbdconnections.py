@@ -177,6 +177,7 @@ class ExportConnections:
         self._stopping: str | None = None
         self._changed = trio.Event()  # wakes requests waiting to retry
         self._watching = False  # the watchdog task runs (started with the first request)
+        self._retired: set[AioConnection] = set()  # replaced by refresh, still draining
         self._closed = False
 
     @classmethod
@@ -337,8 +338,7 @@ class ExportConnections:
         while not self._closed:
             await trio.sleep(period)
             now = trio.current_time()
-            for slot in self._slots:
-                conn = slot.conn
+            for conn in [slot.conn for slot in self._slots] + list(self._retired):
                 if conn is not None and conn.expire(timeout, now):
                     log.warning("%s: no reply within %.1fs: connection dropped", self.uri, timeout)
 
@@ -417,7 +417,11 @@ class ExportConnections:
                 slot.conn = AioConnection(client)
                 self._note(slot)
             if old is not None:
-                await old.drain()
+                self._retired.add(old)  # still watched: its requests fail over if stalled
+                try:
+                    await old.drain()
+                finally:
+                    self._retired.discard(old)
                 old.close()
         if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
             await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
