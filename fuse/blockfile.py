@@ -81,6 +81,9 @@ REFRESH_INODE: Final = 3
 # Asynchronous FUSE requests the kernel keeps in flight (its default: 12).  A
 # loop device with direct I/O queues many; each waits for a round trip.
 BACKGROUND_LIMIT: Final = 32
+# Request tasks kept ready (see fuse.process.run_fuse_loop): the background
+# requests plus a few synchronous ones (flush, getattr) at once.
+REQUEST_TASKS: Final = BACKGROUND_LIMIT + 8
 ATTR_TIMEOUT: Final = 1.0
 FINAL_FLUSH_TIMEOUT: Final = 30.0
 ZERO_CHUNK: Final = 1 << 30  # NBD lengths are 32 bits
@@ -374,7 +377,13 @@ async def _serve(filesystem: BlockFile, ready: Callable[[], None] | None, early:
             except pyfuse3.FUSEError as e:
                 log.error("the last flush failed: %s", os.strerror(e.errno))
 
-    await run_fuse_loop(ready, early, on_terminate=terminating, after_unmount=final_flush)
+    await run_fuse_loop(
+        ready,
+        early,
+        on_terminate=terminating,
+        after_unmount=final_flush,
+        min_tasks=REQUEST_TASKS,
+    )
 
 
 def serve(

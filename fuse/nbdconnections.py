@@ -68,6 +68,7 @@ DEFAULT_IO_TIMEOUT: Final = 120.0
 MAX_IO_TIMEOUT: Final = 86400.0
 CONNECT_TIMEOUT: Final = 10.0  # seconds one connection attempt (TCP, TLS, handshake) may take
 STOP_GRACE: Final = 3.0  # seconds requests in flight get once the process is told to stop
+WATCH_PERIOD_MAX: Final = 1.0  # seconds between two looks for requests past the timeout
 # errors a connected handle reports when the server is going away
 _GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 # a server's answer that retrying will not change: no such export (libnbd: ENOENT), not
@@ -75,6 +76,12 @@ _GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.
 DEFINITIVE: Final = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM})
 
 T = TypeVar("T")
+
+
+def watch_period(timeout: float) -> float:
+    """How often requests are checked against ``timeout``: a quarter of it, at most
+    :data:`WATCH_PERIOD_MAX` seconds."""
+    return min(timeout / 4, WATCH_PERIOD_MAX)
 
 
 class ExportUnavailable(OSError):
@@ -169,6 +176,9 @@ class ExportConnections:
         self._refused: tuple[str, float] | None = None
         self._stopping: str | None = None
         self._changed = trio.Event()  # wakes requests waiting to retry
+        self._watching = False  # the watchdog task runs (started with the first request)
+        self._retired: set[AioConnection] = set()  # replaced by refresh, still draining
+        self._closed = False
 
     @classmethod
     def open(
@@ -257,7 +267,9 @@ class ExportConnections:
         while True:
             target = slot if slot is not None else self._least_busy()
             try:
-                conn = await self._connected(target, CONNECT_TIMEOUT)
+                conn = target.conn
+                if conn is None or not conn.alive:
+                    conn = await self._connected(target, CONNECT_TIMEOUT)
                 try:
                     result = await self._answered(conn, fn)
                 except NBDError as e:
@@ -299,14 +311,36 @@ class ExportConnections:
         self, conn: AioConnection, fn: Callable[[AioConnection], Awaitable[T]]
     ) -> T:
         """``fn(conn)``; a server that does not answer within the timeout has lost the
-        connection (closed here: what else was in flight on it is sent again)."""
+        connection: :meth:`_watchdog` fails what is in flight on it (sent again on
+        another connection), without a cancel scope per request."""
         if self.timeout is None:
             return await fn(conn)
-        sent = trio.current_time()
-        with trio.move_on_after(self.timeout):
+        self._watch()
+        try:
             return await fn(conn)
-        conn.close()
-        raise _Disconnected(f"no reply within {self.timeout:.1f}s", since=sent)
+        except NBDError as e:
+            since = conn.stalled_since
+            if since is None:
+                raise
+            conn.close()
+            raise _Disconnected(f"no reply within {self.timeout:.1f}s", since=since) from e
+
+    def _watch(self) -> None:
+        if not self._watching and self.timeout is not None:
+            self._watching = True
+            trio.lowlevel.spawn_system_task(self._watchdog, self.timeout, name="nbd-watchdog")
+
+    async def _watchdog(self, timeout: float) -> None:
+        """Every :func:`watch_period` seconds, a connection whose oldest request has
+        waited ``timeout`` seconds is declared lost.  A request therefore fails over
+        after ``timeout`` to ``timeout + watch_period(timeout)`` seconds."""
+        period = watch_period(timeout)
+        while not self._closed:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for conn in [slot.conn for slot in self._slots] + list(self._retired):
+                if conn is not None and conn.expire(timeout, now):
+                    log.warning("%s: no reply within %.1fs: connection dropped", self.uri, timeout)
 
     def _refuse(self, reason: str) -> None:
         """A definitive answer, or the bound passed: requests waiting for a connection
@@ -383,7 +417,11 @@ class ExportConnections:
                 slot.conn = AioConnection(client)
                 self._note(slot)
             if old is not None:
-                await old.drain()
+                self._retired.add(old)  # still watched: its requests fail over if stalled
+                try:
+                    await old.drain()
+                finally:
+                    self._retired.discard(old)
                 old.close()
         if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
             await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
@@ -391,6 +429,7 @@ class ExportConnections:
 
     def close(self) -> None:
         """Disconnect every connection (requests still in flight fail)."""
+        self._closed = True
         for slot in self._slots:
             conn, slot.conn = slot.conn, None
             if conn is not None:

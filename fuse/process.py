@@ -31,6 +31,8 @@ from hostio.mountinfo import read_mountinfo, topmost
 READY: Final = b"ready\n"
 # Seconds the requests under way get after SIGTERM before they are abandoned.
 ABANDON_AFTER: Final = 6.0
+# pyfuse3's default bound on request tasks (requests handled at once).
+MAX_TASKS: Final = 99
 
 log = logging.getLogger("moorage.fuse")
 
@@ -117,8 +119,15 @@ async def run_fuse_loop(
     on_terminate: Callable[[], None] | None = None,
     after_unmount: Callable[[], Awaitable[None]] | None = None,
     abandon_after: float = ABANDON_AFTER,
+    min_tasks: int = 1,
 ) -> None:
-    """``pyfuse3.main()`` until the mount goes away, watching for stop signals."""
+    """``pyfuse3.main()`` until the mount goes away, watching for stop signals.
+
+    ``min_tasks``: request tasks kept waiting for the next request.  pyfuse3
+    starts a task for each request that finds none waiting and ends those
+    beyond this number once they are done; a mount that keeps many requests
+    in flight saves that churn by keeping as many.
+    """
     terminating = trio.Event()
 
     async def abandon_later() -> None:
@@ -149,7 +158,7 @@ async def run_fuse_loop(
             return
         if ready is not None:
             ready()
-        await pyfuse3.main()
+        await pyfuse3.main(min_tasks=min_tasks, max_tasks=max(min_tasks, MAX_TASKS))
         if after_unmount is not None:
             await after_unmount()
         nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals

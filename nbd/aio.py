@@ -89,7 +89,9 @@ class AioConnection:
         self._lib = _lib()
         self._fd = int(self._lib.nbd_aio_get_fd(self._h))
         self._in_flight = 0
-        self._ids: set[int] = set()
+        # requests in flight: id -> when it was sent (trio time), oldest first
+        self._ids: dict[int, float] = {}
+        self.stalled_since: float | None = None  # see expire()
         self._write_wanted = trio.Event()
         self._started = False
         self._closed = False
@@ -141,14 +143,14 @@ class AioConnection:
         ident = next(_ids)
         pending = _Pending(self, keep)
         _PENDING[ident] = pending
-        self._ids.add(ident)
+        self._ids[ident] = trio.current_time()
         self._in_flight += 1
         try:
             issue(_CompletionCallback(_ON_COMPLETE, ident, _NO_FREE))
         except NBDError:
             if _PENDING.pop(ident, None) is not None:
                 self._in_flight -= 1
-            self._ids.discard(ident)
+            self._ids.pop(ident, None)
             self._check_dead()
             raise
         self._check_dead()  # sending it may have found the connection gone
@@ -159,7 +161,7 @@ class AioConnection:
             # buffer stays referenced (by _PENDING) until it has.
             await pending.done.wait()
         finally:
-            self._ids.discard(ident)
+            self._ids.pop(ident, None)
         if pending.error:
             raise error_for(os.strerror(pending.error), pending.error)
 
@@ -231,6 +233,21 @@ class AioConnection:
                 self._in_flight -= 1
                 pending.error = error.errno or errno.ENOTCONN
                 pending.done.set()
+
+    def expire(self, timeout: float, now: float) -> bool:
+        """Declare the connection lost if its oldest request in flight was sent
+        ``timeout`` seconds or more before ``now`` (trio time): every request in
+        flight then fails with ``ETIMEDOUT`` and :attr:`stalled_since` says when
+        that request was sent.  One check per connection instead of a cancel
+        scope per request."""
+        if not self.alive or not self._ids:
+            return False
+        sent = next(iter(self._ids.values()))
+        if now - sent < timeout:
+            return False
+        self.stalled_since = sent
+        self._die(NBDError(f"no reply within {timeout:.1f}s", errno.ETIMEDOUT))
+        return True
 
     def _gone(self) -> NBDError:
         if self.error is not None:
