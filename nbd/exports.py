@@ -163,9 +163,12 @@ class ExportTable:
             watcher(entry.export, entry.runtime, True)
 
     def unshare(self, watcher: Watcher) -> None:
-        """Undo ``share``: new exports get private runtimes again."""
+        """Undo ``share`` once the serving is over: every export gets a private
+        runtime again (its limits kept, its counters started anew)."""
         self._factory = private_runtime
         self._watchers.remove(watcher)
+        for entry in self._entries.values():
+            entry.runtime = private_runtime(entry.export)
 
     def _tell(self, export: Export, runtime: ExportRuntime, present: bool = True) -> None:
         for watcher in self._watchers:

@@ -121,8 +121,6 @@ class WorkerPool:
         self._next_slot = 0
         self._free: deque[tuple[int, int]] = deque()  # (slot, seq of its removal)
         self._stopping = False
-        self._stopped = trio.Event()
-        self._supervisors = 0
         self.respawns = 0
 
     # ------------------------------------------------------------ state
@@ -231,7 +229,7 @@ class WorkerPool:
                 with contextlib.suppress(ChildProcessError, OSError):
                     w.proc.wait(1)
             self.table.unshare(self._changed)
-            self._stopped.set()
+            self.region.close()
 
     def shutdown(self) -> None:
         """Tell every worker to drain and exit; hand over no more connections."""
