@@ -189,8 +189,10 @@ class ExportTable:
                 return
             if current.export.same_but_limits(export) and same_place:
                 current.export = export
-                if runtime is None:  # a worker's buckets are shared: its master set them
+                if runtime is None:
                     current.runtime.throttle.configure(export.iops_limit, export.bandwidth_limit)
+                else:  # a worker's buckets are shared: the master has set them
+                    current.runtime.throttle.reload()
                 self._tell(export, current.runtime)
                 return
             self.remove(export.name)

@@ -118,6 +118,9 @@ class Throttle:
         self._bytes = _Bucket(cells, 3)
         self._lock: AbstractContextManager[object] = lock or contextlib.nullcontext()
         self._now = clock or _trio_now
+        # Read for every request: a plain attribute, kept by configure() and
+        # reload() (a worker's, when the listener changed the shared limits).
+        self.unlimited = not cells[0] and not cells[3]
         if configure:
             self.configure(iops, bandwidth)
 
@@ -136,11 +139,11 @@ class Throttle:
             now = self._now()
             self._ops.configure(float(iops), now)
             self._bytes.configure(float(bandwidth), now)
+        self.reload()
 
-    @property
-    def unlimited(self) -> bool:
-        cells = self._cells
-        return not cells[0] and not cells[3]
+    def reload(self) -> None:
+        """Take up limits another process set in shared cells."""
+        self.unlimited = not self._cells[0] and not self._cells[3]
 
     async def admit(self, nbytes: int) -> None:
         """Wait until one request of ``nbytes`` (0 for FLUSH and the like) may run."""
@@ -148,6 +151,8 @@ class Throttle:
             return
         ops, byt = self._ops, self._bytes
         while True:
+            if not ops.rate and not byt.rate:  # removed meanwhile (by another process)
+                return
             with self._lock:
                 now = self._now()
                 ops.refill(now)
