@@ -362,6 +362,7 @@ class WorkerPool:
                         if not worker.ready and worker.acked >= seq:
                             worker.ready = True
                             started.set()
+                            log.debug("NBD worker %d (pid %d) ready", worker.index, worker.proc.pid)
                         event, worker.acked_event = worker.acked_event, trio.Event()
                         event.set()
                     elif msg["op"] == "closed":
