@@ -240,3 +240,38 @@ def _locked_elsewhere(fd: int, slot: int) -> bool:
     os.close(r)
     os.waitpid(pid, 0)
     return answer == b"1"
+
+
+def test_a_shared_table_tells_its_watcher_every_change(tmp_path: Path) -> None:
+    """What the listener passes on to its workers: adds, limit changes, removals."""
+    from nbd.exports import ExportRuntime, private_runtime
+
+    told: list[tuple[str, int, bool]] = []
+    made: list[str] = []
+
+    def factory(export: Export) -> ExportRuntime:
+        made.append(export.name)
+        return private_runtime(export)
+
+    table = ExportTable([Export("a", tmp_path)])
+    watcher = lambda e, r, present: told.append((e.name, e.iops_limit, present))  # noqa: E731
+    table.share(factory, watcher)
+    assert made == ["a"] and told == [("a", 0, True)]
+    table.add(Export("b", tmp_path))
+    table.add(Export("b", tmp_path))  # the same again: nothing to tell
+    table.add(Export("b", tmp_path, iops_limit=5))  # limits only: same runtime
+    runtime = table.runtime("b")
+    assert runtime is not None and runtime.throttle.iops == 5
+    table.add(Export("b", tmp_path, read_only=True))  # replaced: removed, then added
+    table.remove("a")
+    assert told[1:] == [
+        ("b", 0, True),
+        ("b", 5, True),
+        ("b", 5, False),
+        ("b", 0, True),
+        ("a", 0, False),
+    ]
+    assert made == ["a", "b", "b"]
+    table.unshare(watcher)
+    table.add(Export("c", tmp_path))
+    assert len(told) == 6 and made == ["a", "b", "b"]
