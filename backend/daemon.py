@@ -38,8 +38,8 @@ from backend.reconcile import reconcile
 from backend.service import StorageService
 from hostio.addresses import HostPort, HostPortError, parse_host_port
 from nbd.exports import Export, ExportTable
-from nbd.server import NBDServer, ServerConfig, open_tcp_listeners
-from nbd.tls import server_context
+from nbd.server import NBDServer, ServerConfig, default_workers, open_tcp_listeners
+from nbd.tls import TLSFiles
 
 log = logging.getLogger("moorage.backend")
 
@@ -69,6 +69,8 @@ class DaemonConfig:
     api_client_ca: Path | None = None
     nbd_tls_cert: Path | None = None
     nbd_tls_key: Path | None = None
+    # Processes serving NBD connections, this one included (None: one per CPU, at most 8).
+    nbd_workers: int | None = None
     grace_period: int = 90
     lease_lifetime: int = 60
     graceless: bool = False
@@ -168,10 +170,19 @@ class DaemonExporter:
             self._reload()
 
     def add_nbd_export(self, export: Export) -> None:
-        trio.from_thread.run_sync(self.table.add, export, trio_token=self.token)
+        trio.from_thread.run(self._add_nbd_export, export, trio_token=self.token)
 
     def remove_nbd_export(self, name: str) -> None:
-        trio.from_thread.run_sync(self.table.remove, name, trio_token=self.token)
+        trio.from_thread.run(self._remove_nbd_export, name, trio_token=self.token)
+
+    # The change is made at once; it is done when every NBD worker process has it.
+    async def _add_nbd_export(self, export: Export) -> None:
+        self.table.add(export)
+        await self.nbd.sync_exports()
+
+    async def _remove_nbd_export(self, name: str) -> None:
+        self.table.remove(name)
+        await self.nbd.sync_exports()
 
     def status(self) -> ExporterStatus:
         return ExporterStatus(
@@ -285,9 +296,16 @@ async def run_daemon(
 
     nbd_tls = None
     if config.nbd_tls_cert and config.nbd_tls_key:
-        nbd_tls = server_context(config.nbd_tls_cert, config.nbd_tls_key)
+        nbd_tls = TLSFiles(config.nbd_tls_cert, config.nbd_tls_key)
     table = ExportTable()
-    nbd = NBDServer(table, ServerConfig(tls_context=nbd_tls, tls_required=nbd_tls is not None))
+    nbd = NBDServer(
+        table,
+        ServerConfig(
+            tls_files=nbd_tls,
+            tls_required=nbd_tls is not None,
+            workers=config.nbd_workers or default_workers(),
+        ),
+    )
     nbd_host, nbd_port = addresses.nbd_listen
     exporter = DaemonExporter(files, supervisor, table, nbd, trio.lowlevel.current_trio_token())
 

@@ -62,6 +62,13 @@ def serve(
     ),
     nbd_tls_cert: Path | None = typer.Option(None, "--nbd-tls-cert"),
     nbd_tls_key: Path | None = typer.Option(None, "--nbd-tls-key"),
+    nbd_workers: int | None = typer.Option(
+        None,
+        "--nbd-workers",
+        min=1,
+        help="Processes serving NBD connections, this one included [one per CPU, at most 8]; "
+        "1: this process alone.",
+    ),
     grace_period: int = typer.Option(90, "--grace-period", help="NFSv4 grace period (s)."),
     lease_lifetime: int = typer.Option(60, "--lease-lifetime", help="NFSv4 lease (s)."),
     graceless: bool = typer.Option(False, "--graceless", help="Skip the NFSv4 grace period."),
@@ -107,6 +114,7 @@ def serve(
         api_client_ca=api_client_ca,
         nbd_tls_cert=nbd_tls_cert,
         nbd_tls_key=nbd_tls_key,
+        nbd_workers=nbd_workers,
         grace_period=grace_period,
         lease_lifetime=lease_lifetime,
         graceless=graceless,

@@ -17,6 +17,7 @@ from nbd.exports import Export, ExportError, ExportTable, parse_networks
 from nbd.server import (
     NBDServer,
     ServerConfig,
+    default_workers,
     listeners_from_sockets,
     open_tcp_listeners,
     open_unix_listener,
@@ -24,7 +25,7 @@ from nbd.server import (
     systemd_listen_fds,
     tune_malloc,
 )
-from nbd.tls import server_context
+from nbd.tls import TLSFiles
 
 app = typer.Typer(help="The NBD server.", no_args_is_help=True)
 log = logging.getLogger("moorage.nbd")
@@ -85,6 +86,13 @@ def serve(
         False, "--tls-required", help="Refuse every client that does not use TLS."
     ),
     min_block_size: int = typer.Option(1, "--min-block-size", help="Advertised minimum block."),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        help="Processes serving connections, this one included [one per CPU, at most 8]; "
+        "1: this process alone.",
+    ),
 ) -> None:
     """Serve files or block devices over NBD.
 
@@ -112,8 +120,16 @@ def serve(
         except ExportError as err:
             raise typer.BadParameter(str(err), param_hint="--min-block-size") from err
     table = ExportTable(exports)
-    tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
-    server = NBDServer(table, ServerConfig(tls_context=tls, tls_required=tls_required))
+    tls = TLSFiles(tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
+    server = NBDServer(
+        table,
+        ServerConfig(
+            tls_files=tls,
+            tls_required=tls_required,
+            # stdio serves one client: no workers
+            workers=1 if stdio else (workers or default_workers()),
+        ),
+    )
     host, port = parse_listen(listen)
     tune_malloc()
     up = threading.Event()

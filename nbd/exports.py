@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from nbd.constants import MAX_PAYLOAD, MAX_STRING
+from nbd.shared import SharedExport
 from nbd.throttle import Throttle
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -107,10 +108,25 @@ class ExportStats:
 
 @dataclass
 class ExportRuntime:
-    """What every connection of one export shares: its I/O limits and its counters."""
+    """What every connection of one export shares: its I/O limits and its counters.
+
+    With ``shared``, the throttle's buckets and the counters are in memory
+    shared with the other serving processes (``stats`` is then this process's
+    row there, duck-typed as an ``ExportStats``).
+    """
 
     throttle: Throttle
     stats: ExportStats = field(default_factory=ExportStats)
+    shared: SharedExport | None = None
+
+
+RuntimeFactory = Callable[["Export"], ExportRuntime]
+# (export, its runtime, True) when added or changed; (..., False) when removed
+Watcher = Callable[["Export", "ExportRuntime", bool], None]
+
+
+def private_runtime(export: Export) -> ExportRuntime:
+    return ExportRuntime(Throttle(export.iops_limit, export.bandwidth_limit))
 
 
 @dataclass
@@ -120,29 +136,69 @@ class _Entry:
     connections: set[trio.CancelScope] = field(default_factory=set)
 
 
+def _same_slot(a: ExportRuntime, b: ExportRuntime) -> bool:
+    return a.shared is not None and b.shared is not None and a.shared.slot == b.shared.slot
+
+
 class ExportTable:
     """Name → export, safe to change from the trio thread while serving."""
 
     def __init__(self, exports: Iterable[Export] = ()) -> None:
         self._entries: dict[str, _Entry] = {}
+        self._factory: RuntimeFactory = private_runtime
+        self._watchers: list[Watcher] = []
         for e in exports:
             self.add(e)
 
-    def add(self, export: Export) -> None:
+    def share(self, factory: RuntimeFactory, watcher: Watcher) -> None:
+        """From now on new exports get their runtime from ``factory`` and every
+        change is told to ``watcher``; exports already here get new runtimes
+        (call it before any connection is open)."""
+        if any(e.connections for e in self._entries.values()):
+            raise RuntimeError("cannot share an export table with connections open")
+        self._factory = factory
+        self._watchers.append(watcher)
+        for entry in self._entries.values():
+            entry.runtime = factory(entry.export)
+            watcher(entry.export, entry.runtime, True)
+
+    def unshare(self, watcher: Watcher) -> None:
+        """Undo ``share`` once the serving is over: every export gets a private
+        runtime again (its limits kept, its counters started anew)."""
+        self._factory = private_runtime
+        self._watchers.remove(watcher)
+        for entry in self._entries.values():
+            entry.runtime = private_runtime(entry.export)
+
+    def _tell(self, export: Export, runtime: ExportRuntime, present: bool = True) -> None:
+        for watcher in self._watchers:
+            watcher(export, runtime, present)
+
+    def add(self, export: Export, runtime: ExportRuntime | None = None) -> None:
         """Add an export, or replace a different one of the same name (closing its
         connections).  Adding an export identical to the one present changes nothing;
-        one that differs only in its I/O limits applies them to the open connections."""
+        one that differs only in its I/O limits applies them to the open connections.
+
+        ``runtime``: the export's shared state as another process made it
+        (a worker's table); by default the table's runtime factory makes one.
+        """
         current = self._entries.get(export.name)
         if current is not None:
-            if current.export == export:
+            same_place = runtime is None or _same_slot(current.runtime, runtime)
+            if current.export == export and same_place:
                 return
-            if current.export.same_but_limits(export):
+            if current.export.same_but_limits(export) and same_place:
                 current.export = export
-                current.runtime.throttle.configure(export.iops_limit, export.bandwidth_limit)
+                if runtime is None:
+                    current.runtime.throttle.configure(export.iops_limit, export.bandwidth_limit)
+                else:  # a worker's buckets are shared: the master has set them
+                    current.runtime.throttle.reload()
+                self._tell(export, current.runtime)
                 return
             self.remove(export.name)
-        throttle = Throttle(export.iops_limit, export.bandwidth_limit)
-        self._entries[export.name] = _Entry(export, ExportRuntime(throttle))
+        runtime = runtime or self._factory(export)
+        self._entries[export.name] = _Entry(export, runtime)
+        self._tell(export, runtime)
 
     def remove(self, name: str) -> bool:
         """Remove an export and close its open connections.  False if absent."""
@@ -151,7 +207,12 @@ class ExportTable:
             return False
         for scope in entry.connections:
             scope.cancel()
+        self._tell(entry.export, entry.runtime, False)
         return True
+
+    def runtime(self, name: str) -> ExportRuntime | None:
+        entry = self._entries.get(name)
+        return entry.runtime if entry else None
 
     def get(self, name: str) -> Export | None:
         entry = self._entries.get(name)
@@ -187,16 +248,31 @@ class ExportTable:
         if entry is None or not entry.export.same_but_limits(export):
             return None
         entry.connections.add(scope)
+        if entry.runtime.shared is not None:
+            entry.runtime.shared.row.connections += 1
         return entry.runtime
 
-    def close_connection(self, export: Export, scope: trio.CancelScope) -> None:
+    def close_connection(
+        self, export: Export, scope: trio.CancelScope, runtime: ExportRuntime | None = None
+    ) -> None:
+        """The end of a connection ``open_connection`` registered (``runtime``: what it
+        returned, whose shared count of connections goes down even if the export went)."""
         entry = self._entries.get(export.name)
-        if entry is not None:
+        if entry is not None and scope in entry.connections:
             entry.connections.discard(scope)
+            runtime = runtime or entry.runtime
+        if runtime is not None and runtime.shared is not None:
+            runtime.shared.row.connections -= 1
 
     def stats(self) -> list[tuple[str, ExportStats, int]]:
-        """(name, counters, open connections) of every export, copied."""
-        return [
-            (name, dataclasses.replace(e.runtime.stats), len(e.connections))
-            for name, e in self._entries.items()
-        ]
+        """(name, counters, open connections) of every export, copied; an export
+        shared with worker processes is counted over all of them."""
+        out = []
+        for name, e in self._entries.items():
+            shared = e.runtime.shared
+            if shared is None:
+                out.append((name, dataclasses.replace(e.runtime.stats), len(e.connections)))
+                continue
+            sums, connections = shared.region.totals(shared.slot)
+            out.append((name, ExportStats(**sums), connections))
+        return out

@@ -3,6 +3,10 @@
 One ``NBDServer`` serves an ``ExportTable`` on any number of listeners (TCP,
 unix sockets, sockets inherited through systemd socket activation) or on a
 single already-connected stream (stdin/stdout mode).
+
+With ``ServerConfig.workers`` above 1 it serves from that many processes:
+this one accepts every connection and keeps it or hands it to the
+least-busy worker process (``nbd.workers``).
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from nbd.codec import ProtocolError
 from nbd.exports import ExportTable, IPAddress
 from nbd.handshake import ClientGone, Handshake, HandshakePolicy
+from nbd.tls import TLSFiles
 from nbd.transmission import Transmission
 from nbd.transport import PeerClosed, Transport
+
+if TYPE_CHECKING:
+    from nbd.workers import WorkerPool
 
 log = logging.getLogger("moorage.nbd")
 
@@ -39,8 +48,17 @@ class ServerConfig:
     handshake_timeout: float = 30.0
     # How long a graceful shutdown waits for in-flight requests.
     shutdown_grace: float = 10.0
-    # Worker threads for blocking I/O, shared by all connections.
+    # Worker threads for blocking I/O, shared by all connections (of a process).
     io_threads: int = 16
+    # Processes serving connections, this one included (1: this one alone).
+    workers: int = 1
+    # Where the TLS context comes from: worker processes make theirs from it.
+    tls_files: TLSFiles | None = None
+
+
+def default_workers() -> int:
+    """One serving process per CPU this process may run on, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def peer_address(stream: trio.abc.Stream) -> tuple[IPAddress | None, str]:
@@ -62,8 +80,20 @@ class NBDServer:
     def __init__(self, exports: ExportTable, config: ServerConfig | None = None) -> None:
         self.exports = exports
         self.config = config or ServerConfig()
+        if self.config.tls_context is None and self.config.tls_files is not None:
+            self.config.tls_context = self.config.tls_files.context()
         if self.config.tls_required and self.config.tls_context is None:
             raise ValueError("TLS required but no TLS context configured")
+        if self.config.workers < 1:
+            raise ValueError("an NBD server needs at least one serving process")
+        if (
+            self.config.workers > 1
+            and self.config.tls_context is not None
+            and self.config.tls_files is None
+        ):
+            raise ValueError("worker processes need the TLS files, not only a context")
+        # The worker processes, while serve() runs with workers > 1.
+        self.pool: WorkerPool | None = None
         self.io_limiter = trio.CapacityLimiter(self.config.io_threads)
         self.shutting_down = False
         self._stop = trio.Event()
@@ -79,7 +109,14 @@ class NBDServer:
 
     @property
     def active_connections(self) -> int:
-        return self._connections
+        """Connections open in this process and its workers."""
+        return self._connections + (self.pool.connections if self.pool else 0)
+
+    async def sync_exports(self) -> None:
+        """Wait until every worker process has the export table as it is now
+        (bounded: a worker that does not answer is replaced)."""
+        if self.pool is not None:
+            await self.pool.synced()
 
     # ---------------------------------------------------------- listening
 
@@ -92,21 +129,35 @@ class NBDServer:
         """Accept on ``listeners`` until ``shutdown()``; then drain and return."""
         async with trio.open_nursery() as nursery:
             accept_scope = trio.CancelScope()
+            handler = self.handle_stream
+            pool = None
+            if self.config.workers > 1:
+                from nbd.workers import WorkerPool
+
+                pool = WorkerPool(
+                    self.exports, self.config, self.handle_stream, lambda: self._connections
+                )
+                await nursery.start(pool.run)
+                self.pool = pool
+                handler = pool.route
 
             async def accept_all() -> None:
                 with accept_scope:
-                    await trio.serve_listeners(
-                        self.handle_stream, list(listeners), handler_nursery=nursery
-                    )
+                    await trio.serve_listeners(handler, list(listeners), handler_nursery=nursery)
 
-            nursery.start_soon(accept_all)
+            if listeners:
+                nursery.start_soon(accept_all)
             task_status.started()
             await self._stop.wait()
             accept_scope.cancel()
             for listener in listeners:
                 with contextlib.suppress(trio.ClosedResourceError, OSError):
                     await listener.aclose()
+            if pool is not None:
+                pool.shutdown()
             await self._drain()
+            if pool is not None:
+                await pool.wait_stopped()
             # Past the grace period: close whatever is still busy (e.g. a
             # client that stopped reading its replies) instead of waiting on it.
             nursery.cancel_scope.cancel()
@@ -217,7 +268,7 @@ class NBDServer:
                 log.info("%s: export %s removed; connection closed", label, export.name)
         finally:
             self._transmitting.discard(tx)
-            self.exports.close_connection(export, conn_scope)
+            self.exports.close_connection(export, conn_scope, runtime)
             log.info(
                 "%s: connection closed after %d requests (%d in worker threads)",
                 label,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -15,3 +16,16 @@ def server_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.
         ctx.load_verify_locations(cafile=str(client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Where a server context comes from: what a worker process needs to make
+    its own (an ``SSLContext`` cannot cross a process boundary)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def context(self) -> ssl.SSLContext:
+        return server_context(self.cert, self.key, self.client_ca)

@@ -114,13 +114,23 @@ class NBDServerProcess:
         return self.log.read_text(errors="replace")
 
 
+# Worker processes of a test server unless a test says otherwise: the NBD
+# tests run against the multi-process server (listener + one worker), and the
+# single-process one where a test asks for ``workers=1``.
+TEST_WORKERS = 2
+
+
 class NBDServerFactory:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.servers: list[NBDServerProcess] = []
 
     def start(
-        self, exports: dict[str, Path | str], *args: str, port: int | None = None
+        self,
+        exports: dict[str, Path | str],
+        *args: str,
+        port: int | None = None,
+        workers: int = TEST_WORKERS,
     ) -> NBDServerProcess:
         """Start a server; an export value may end in ':ro'.  Extra CLI args after."""
         port = port or free_port()
@@ -137,6 +147,8 @@ class NBDServerFactory:
         for name, path in exports.items():
             argv += ["--export", f"{name}={path}"]
         argv += list(args)
+        if "--workers" not in args:
+            argv += ["--workers", str(workers)]
         log = self.tmp / f"nbd-server-{port}-{len(self.servers)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)

@@ -96,13 +96,30 @@ async def list_exports(client: WireClient) -> set[str]:
 
 # ------------------------------------------------------------ live table
 
+# The table's tests run on one process and on three (the listener and two
+# workers, the connections spread over them): a change is complete once
+# ``sync_exports`` returns, as the storage node waits for it.
+live_workers = pytest.mark.parametrize("workers", [1, 3])
 
-async def test_added_export_visible_to_new_clients(tmp_path: Path) -> None:
+
+def serving_processes(server: NBDServer, name: str) -> set[int]:
+    """The processes (0: the listener) with a connection open on export ``name``."""
+    runtime = server.exports.runtime(name)
+    assert runtime is not None
+    shared = runtime.shared
+    if shared is None:
+        return {0} if open_connections(server.exports, name) else set()
+    region = shared.region
+    return {p for p in range(region.processes) if region.row(shared.slot, p).connections}
+
+
+@live_workers
+async def test_added_export_visible_to_new_clients(tmp_path: Path, workers: int) -> None:
     a = make_image(tmp_path / "a.img", 2 * MiB, 1)
     b = make_image(tmp_path / "b.img", 3 * MiB, 2)
     table = ExportTable([Export("a", a)])
     with trio.fail_after(TIMEOUT):
-        async with serving(table) as (_, port):
+        async with serving(table, ServerConfig(workers=workers)) as (server, port):
             on_a, _ = await open_export(port, "a")
             before = await connect(port)
             await before.greeting()
@@ -111,6 +128,7 @@ async def test_added_export_visible_to_new_clients(tmp_path: Path) -> None:
             assert await option_reply_types(before, Option.GO, go_b) == [OptionReply.ERR_UNKNOWN]
 
             table.add(Export("b", b, description="added later"))
+            await server.sync_exports()
 
             # Visible at once, even to a client already haggling.
             assert await list_exports(before) == {"a", "b"}
@@ -130,16 +148,22 @@ async def test_added_export_visible_to_new_clients(tmp_path: Path) -> None:
             assert {x["export-name"] for x in listed["exports"]} == {"a", "b"}
             # The connection that was already open is undisturbed.
             assert await on_a.read(0, 64 * KiB) == head(a)
-            for client in (on_a, before):
+            # A client landing on any process sees the new export.
+            on_b = [(await open_export(port, "b"))[0] for _ in range(workers)]
+            for client in on_b:
+                assert await client.read(0, 64 * KiB) == head(b)
+            assert serving_processes(server, "b") == set(range(workers))
+            for client in (on_a, before, *on_b):
                 await client.disconnect()
 
 
-async def test_removed_export_closes_its_connections(tmp_path: Path) -> None:
+@live_workers
+async def test_removed_export_closes_its_connections(tmp_path: Path, workers: int) -> None:
     a = make_image(tmp_path / "a.img", 2 * MiB, 1)
     b = make_image(tmp_path / "b.img", 2 * MiB, 2)
     table = ExportTable([Export("a", a), Export("b", b)])
     with trio.fail_after(TIMEOUT):
-        async with serving(table) as (server, port):
+        async with serving(table, ServerConfig(workers=workers)) as (server, port):
             a1, _ = await open_export(port, "a")
             a2, _ = await open_export(port, "a", structured=True)
             b1, _ = await open_export(port, "b")
@@ -149,8 +173,11 @@ async def test_removed_export_closes_its_connections(tmp_path: Path) -> None:
             # A request of a2 in flight when the export goes away.
             await a2.request(Command.READ, 1, 0, 64 * KiB)
             await a2.request(Command.READ, 2, 64 * KiB, 64 * KiB)
+            # With workers, a's two connections are in two of them.
+            assert len(serving_processes(server, "a")) == min(workers, 2)
 
             assert table.remove("a")
+            await server.sync_exports()
 
             assert await a1.expect_closed() == b""
             await a2.expect_closed()  # replies to the reads may or may not have made it
@@ -165,14 +192,16 @@ async def test_removed_export_closes_its_connections(tmp_path: Path) -> None:
             await wait_until(lambda: server.active_connections == 0)
 
 
-async def test_replaced_export_closes_old_connections(tmp_path: Path) -> None:
+@live_workers
+async def test_replaced_export_closes_old_connections(tmp_path: Path, workers: int) -> None:
     a = make_image(tmp_path / "a.img", 2 * MiB, 1)
     a2 = make_image(tmp_path / "a2.img", 4 * MiB, 3)
     table = ExportTable([Export("a", a)])
     with trio.fail_after(TIMEOUT):
-        async with serving(table) as (_, port):
+        async with serving(table, ServerConfig(workers=workers)) as (server, port):
             old, _ = await open_export(port, "a")
             table.add(Export("a", a2))
+            await server.sync_exports()
             assert await old.expect_closed() == b""
             new, neg = await open_export(port, "a")
             assert neg.size == 4 * MiB
