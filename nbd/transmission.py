@@ -57,6 +57,7 @@ _ALLOWED_FLAGS: dict[int, int] = {
     Command.BLOCK_STATUS: CommandFlag.REQ_ONE,
 }
 
+# Host errors with an obvious counterpart among the wire's error values.
 _ERRNO_MAP = {
     errno.EPERM: Errno.EPERM,
     errno.EACCES: Errno.EPERM,
@@ -66,15 +67,28 @@ _ERRNO_MAP = {
     errno.EFBIG: Errno.ENOSPC,
     errno.ENOMEM: Errno.ENOMEM,
     errno.EINVAL: Errno.EINVAL,
-    errno.EOVERFLOW: Errno.EOVERFLOW,
-    errno.EOPNOTSUPP: Errno.ENOTSUP,
     errno.ESHUTDOWN: Errno.ESHUTDOWN,
 }
 
 
-def wire_errno(e: OSError) -> Errno:
-    """Map a host errno to the small set of error values the protocol allows."""
-    return _ERRNO_MAP.get(e.errno or 0, Errno.EIO)
+def wire_errno(e: OSError, command: int, flags: int) -> Errno:
+    """The error value a reply to ``command`` (with ``flags``) carries for host error ``e``.
+
+    The spec keeps two values for one case each: ENOTSUP answers only a
+    WRITE_ZEROES sent with FAST_ZERO (the zeroing would not be fast), and
+    EOVERFLOW only a READ sent with DF (the reply would need fragments).
+    Everywhere else those host errors become EINVAL, the value a client is
+    told to assume for an error it does not expect; anything without a
+    counterpart is EIO.
+    """
+    code = e.errno or 0
+    if code in (errno.EOPNOTSUPP, errno.ENOTSUP):
+        fast_zero = command == Command.WRITE_ZEROES and flags & CommandFlag.FAST_ZERO
+        return Errno.ENOTSUP if fast_zero else Errno.EINVAL
+    if code == errno.EOVERFLOW:
+        unfragmented = command == Command.READ and flags & CommandFlag.DF
+        return Errno.EOVERFLOW if unfragmented else Errno.EINVAL
+    return _ERRNO_MAP.get(code, Errno.EIO)
 
 
 class ByteBudget:
@@ -321,7 +335,7 @@ class Transmission:
 
         def fail(e: OSError) -> bytes:
             log.warning("%s: I/O error on %s: %s", label, req, e)
-            return codec.encode_simple_reply(req.cookie, wire_errno(e))
+            return codec.encode_simple_reply(req.cookie, wire_errno(e, req.type, req.flags))
 
         job = WriteJob(
             self.image.writev_timed,
@@ -363,7 +377,7 @@ class Transmission:
                 await self._ok(req)
                 return True
         except OSError as e:
-            await self._fail(req, wire_errno(e), e.strerror or str(e))
+            await self._fail(req, wire_errno(e, req.type, req.flags), e.strerror or str(e))
             return True
         return False
 
@@ -376,7 +390,7 @@ class Transmission:
             await self._fail(req, e.error, str(e))
         except OSError as e:
             log.warning("%s: I/O error on %s: %s", self.label, req, e)
-            await self._fail(req, wire_errno(e), e.strerror or str(e))
+            await self._fail(req, wire_errno(e, req.type, req.flags), e.strerror or str(e))
         finally:
             self._in_flight.release()
             self._budget.give(cost)
