@@ -285,41 +285,47 @@ class Transmission:
             cost = 0
             if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:
                 cost = await self._budget.take(req.length)
-            handed_off = False
-            payload: bytearray | None = None
-            try:
-                if req.type == Command.WRITE:
-                    if req.length > MAX_PAYLOAD:
-                        try:
-                            await self.t.discard(req.length)
-                        except PeerClosed:
-                            return
-                        await self._fail(req, Errno.EINVAL, "write payload exceeds maximum")
-                        continue
-                    payload = self._buffers.get(req.length)
+            if not await self._serve_one(req, cost, nursery):
+                return
+
+    async def _serve_one(self, req: Request, cost: int, nursery: trio.Nursery) -> bool:
+        """Take a request's payload and serve it, inline or in a task; False: stop reading."""
+        handed_off = False
+        payload: bytearray | None = None
+        try:
+            if req.type == Command.WRITE:
+                if req.length > MAX_PAYLOAD:
                     try:
-                        await self.t.recv_into(memoryview(payload))
+                        await self.t.discard(req.length)
                     except PeerClosed:
-                        log.warning("%s: client went away in the middle of a write", self.label)
-                        return
-                error = self._validate(req)
-                if error is not None:
-                    await self._fail(req, *error)
-                    continue
-                if payload is not None and await self._try_write_in_sender(req, payload):
-                    payload = None  # the reply thread puts it back in the pool
-                    continue
-                if await self._try_inline(req, payload):
-                    continue
-                await self._in_flight.acquire()
-                self.threaded += 1
-                nursery.start_soon(self._handle, req, payload, cost)
-                handed_off = True
-            finally:
-                if not handed_off:
-                    self._budget.give(cost)
-                    if payload is not None:
-                        self._buffers.put(payload)
+                        return False
+                    await self._fail(req, Errno.EINVAL, "write payload exceeds maximum")
+                    return True
+                payload = self._buffers.get(req.length)
+                try:
+                    await self.t.recv_into(memoryview(payload))
+                except PeerClosed:
+                    log.warning("%s: client went away in the middle of a write", self.label)
+                    return False
+            error = self._validate(req)
+            if error is not None:
+                await self._fail(req, *error)
+                return True
+            if payload is not None and await self._try_write_in_sender(req, payload):
+                payload = None  # the reply thread puts it back in the pool
+                return True
+            if await self._try_inline(req, payload):
+                return True
+            await self._in_flight.acquire()
+            self.threaded += 1
+            nursery.start_soon(self._handle, req, payload, cost)
+            handed_off = True
+            return True
+        finally:
+            if not handed_off:
+                self._budget.give(cost)
+                if payload is not None:
+                    self._buffers.put(payload)
 
     async def _serve_batch(self) -> tuple[int, int]:
         """Serve the plain small reads and writes waiting in the input buffer.
@@ -521,8 +527,8 @@ class Transmission:
     async def _handle(self, req: Request, payload: bytearray | None, cost: int) -> None:
         try:
             await self._dispatch(req, payload)
-        except RequestError as e:
-            await self._fail(req, e.error, str(e))
+        except RequestError as refused:
+            await self._fail(req, refused.error, str(refused))
         except OSError as e:
             log.warning("%s: I/O error on %s: %s", self.label, req, e)
             await self._fail(req, wire_errno(e, req.type, req.flags), e.strerror or str(e))
