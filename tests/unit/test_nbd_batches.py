@@ -95,16 +95,21 @@ async def test_reads_and_writes_however_they_arrive(
                 lengths: dict[int, int] = {}
                 wanted: dict[int, bytes] = {}
                 half = SIZE // 2
+                # Writes in flight together must not overlap (the protocol
+                # does not order them): each has a 64 KiB slot of its own.
+                slots = list(range(0, half, 65536))
+                rng.shuffle(slots)
                 for i in range(40 if piece >= 1000 else 10):
                     cookie = round_ * 1000 + i
                     length = rng.choice([512, 4096, 8192, 65536] if piece >= 1000 else [512, 4096])
-                    offset = rng.randrange(0, half - length) // 512 * 512
                     if i % 3 == 0:
+                        offset = rng.randrange(0, half - length) // 512 * 512
                         offset += half * ((round_ + 1) % 2)
                         lengths[cookie] = length
                         wanted[cookie] = bytes(expected[offset : offset + length])
                         wire += codec.encode_request(Command.READ, cookie, offset, length)
                     else:
+                        offset = slots.pop() + rng.randrange(0, 65536 - length + 1) // 512 * 512
                         offset += half * (round_ % 2)
                         data = rng.randbytes(length)
                         # FUA takes the request-by-request path: both kinds mix.
