@@ -144,6 +144,34 @@ class ThreadedReplies:
         self._small_bytes = 0
         self._small_ready = trio.Event()
         self._small_drained = trio.Event()
+        # The rest of a batch ``send_now`` could not send at once; the loop's
+        # writer sends it first, still holding ``_sending`` for it.
+        self._tail: list[memoryview] | None = None
+
+    def send_now(self, data: memoryview) -> bool:
+        """Send whole replies from the loop at once, if nobody else is writing.
+
+        False when the socket is in use (the caller queues the replies
+        instead).  What the socket does not take at once is copied and sent
+        by the loop's writer before anything else, so ``data`` may be
+        reused as soon as this returns.
+        """
+        if self.dead or not self._sending.acquire(blocking=False):
+            return False
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self._sending.release()
+            self._die(e)
+            return True  # lost with the connection
+        if sent == len(data):
+            self._sending.release()
+        else:
+            self._tail = [memoryview(bytes(data[sent:]))]
+            self._small_ready.set()
+        return True
 
     async def put(self, parts: Sequence[Buffer], sent: Callable[[], None] | None = None) -> None:
         """Queue one reply; ``sent`` is called once it is on the socket.
@@ -218,9 +246,23 @@ class ThreadedReplies:
 
     async def _send_small(self) -> None:
         """The loop's writer: batches of small replies, until closed."""
+        try:
+            await self._send_small_batches()
+        finally:
+            if self._tail is not None:  # never sent: the connection is dead
+                self._tail = None
+                self._sending.release()
+
+    async def _send_small_batches(self) -> None:
         while not self.dead:
             await self._small_ready.wait()
             self._small_ready = trio.Event()
+            if self._tail is not None:
+                try:
+                    await self._send_direct(self._tail, started=True)
+                finally:
+                    self._tail = None
+                    self._sending.release()
             while self._small and not self.dead:
                 views, self._small = self._small, []
                 callbacks, self._small_sent = self._small_sent, []
@@ -242,9 +284,11 @@ class ThreadedReplies:
             if self._closing:
                 return
 
-    async def _send_direct(self, views: list[memoryview]) -> None:
-        """Write replies from the loop; waits through trio if the socket is full."""
-        started = False
+    async def _send_direct(self, views: list[memoryview], started: bool = False) -> None:
+        """Write replies from the loop; waits through trio if the socket is full.
+
+        ``started``: the first of them is already partly on the wire.
+        """
         try:
             while views:
                 try:

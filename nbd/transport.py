@@ -21,6 +21,9 @@ Buffer = bytes | bytearray | memoryview
 # system call); a write payload beyond what such a read brought in goes
 # straight into its own buffer, so a small chunk means little copying.
 _RECV_CHUNK = 16 * 1024
+# The input buffer holds a chunk and a small write's whole payload, so the
+# transmission can write that payload from here (``wait_for``).
+_RECV_BUFFER = 128 * 1024
 # Buffers in one sendmsg call (the kernel's IOV_MAX is 1024).
 _IOV_MAX = 512
 
@@ -31,7 +34,7 @@ class PeerClosed(Exception):
 
 class Transport:
     def __init__(self, stream: trio.abc.Stream) -> None:
-        self._rbuf = bytearray(_RECV_CHUNK)
+        self._rbuf = bytearray(_RECV_BUFFER)
         self._rview = memoryview(self._rbuf)
         self._start = 0
         self._end = 0
@@ -71,8 +74,8 @@ class Transport:
     def buffered(self) -> int:
         return self._end - self._start
 
-    async def _fill(self) -> None:
-        """Read more input into the buffer (at least one byte)."""
+    async def _fill(self, want: int = _RECV_CHUNK) -> None:
+        """Read more input into the buffer: at least one byte, at most ``want`` (or a chunk)."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._rbuf):
@@ -80,11 +83,12 @@ class Transport:
             n = self._end - self._start
             self._rbuf[:n] = self._rbuf[self._start : self._end]
             self._start, self._end = 0, n
+        stop = min(len(self._rbuf), self._end + max(want, _RECV_CHUNK))
         try:
             if self._sock is not None:
-                got = await self._recv_raw(self._rview[self._end :])
+                got = await self._recv_raw(self._rview[self._end : stop])
             else:
-                data = await self.stream.receive_some(len(self._rbuf) - self._end)
+                data = await self.stream.receive_some(stop - self._end)
                 got = len(data)
                 self._rbuf[self._end : self._end + got] = data
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -93,21 +97,29 @@ class Transport:
             raise PeerClosed("end of stream")
         self._end += got
 
+    async def wait_for(self, n: int) -> None:
+        """Have at least ``n`` bytes buffered (``n`` at most the buffer's size)."""
+        while self._end - self._start < n:
+            if len(self._rbuf) - self._start < n:  # not enough room after start
+                m = self._end - self._start
+                self._rbuf[:m] = self._rbuf[self._start : self._end]
+                self._start, self._end = 0, m
+            await self._fill(n - (self._end - self._start))
+
+    def take(self, n: int) -> bytes:
+        """``n`` bytes that ``wait_for`` has buffered."""
+        out = bytes(self._rview[self._start : self._start + n])
+        self._start += n
+        return out
+
     async def recv_exact(self, n: int) -> bytes:
         """Exactly ``n`` bytes, for headers and small messages."""
         if n > len(self._rbuf):
             big = bytearray(n)
             await self.recv_into(memoryview(big))
             return bytes(big)
-        while self._end - self._start < n:
-            if len(self._rbuf) - self._start < n:  # not enough room after start
-                m = self._end - self._start
-                self._rbuf[:m] = self._rbuf[self._start : self._end]
-                self._start, self._end = 0, m
-            await self._fill()
-        out = bytes(self._rview[self._start : self._start + n])
-        self._start += n
-        return out
+        await self.wait_for(n)
+        return self.take(n)
 
     async def recv_payload(self, n: int) -> bytearray:
         """Exactly ``n`` bytes into a fresh buffer, for write payloads."""

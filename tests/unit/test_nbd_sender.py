@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from nbd.iov import consume
 from nbd.sender import ThreadedReplies, WriteJob
@@ -217,3 +218,39 @@ def test_consume_drops_what_a_vectored_write_took() -> None:
     assert [bytes(v) for v in views] == [b"h"]
     consume(views, 1)
     assert views == []
+
+
+async def test_send_now_leaves_what_the_socket_refuses_to_go_first() -> None:
+    a, b = _pair()
+    replies = ThreadedReplies(a)
+    big = bytes(range(256)) * 2048  # 512 KiB: more than the socket takes at once
+    later = b"after-the-batch"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replies.run)
+        await trio.testing.wait_all_tasks_blocked()
+        scratch = bytearray(big)
+        assert replies.send_now(memoryview(scratch))
+        scratch[:] = bytes(len(scratch))  # the caller may reuse its buffer at once
+        # The socket is taken until the rest of the batch is out.
+        assert not replies.send_now(memoryview(bytearray(b"x")))
+        await replies.put([later])
+        got = await _read(b, len(big) + len(later))
+        replies.close()
+    assert got == big + later
+    assert not replies._sending.locked()  # given back once the rest was out
+    a.close()
+    b.close()
+
+
+async def test_send_now_gives_way_while_the_thread_sends() -> None:
+    a, b = _pair()
+    replies = ThreadedReplies(a)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replies.run)
+        with replies._sending:  # as the thread holds it for its own send
+            assert not replies.send_now(memoryview(bytearray(b"reply")))
+        assert replies.send_now(memoryview(bytearray(b"reply")))
+        assert await _read(b, 5) == b"reply"
+        replies.close()
+    a.close()
+    b.close()
