@@ -3,6 +3,7 @@ printed at the end of a run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -112,6 +113,25 @@ class NBDServerProcess:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def pids(self) -> list[int]:
+        """The listener and every process under it (its worker processes)."""
+        found: list[int] = []
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):
+                    todo += [int(c) for c in task.read_text().split()]
+        return found
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to the listener and its workers: SIGSTOP stops the whole server,
+        whichever process serves a connection."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 # Worker processes of a test server unless a test says otherwise: the NBD

@@ -37,7 +37,7 @@ import pytest
 
 from fuse.blockdev import attach_fuse_block, detach_fuse_block
 from fuse.loop import loop_status
-from tests.conftest import NBDServerFactory, free_port, sparse_image
+from tests.conftest import NBDServerFactory, NBDServerProcess, free_port, sparse_image
 from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, Writer, mkfs, reads_again
 
 # The I/O timeout of attachments that must fail long before it.
@@ -55,6 +55,7 @@ class Server:
         self.image = image
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.process: NBDServerProcess | None = None
         self.start()
 
     @property
@@ -62,11 +63,17 @@ class Server:
         return f"nbd://127.0.0.1:{self.port}/disk"
 
     def start(self, export: str = "disk") -> None:
-        self.proc = self.factory.start({export: self.image}, port=self.port).proc
+        self.process = self.factory.start({export: self.image}, port=self.port)
+        self.proc = self.process.proc
+
+    def signal_all(self, sig: int) -> None:
+        """The listener and its worker processes: whichever serves the connection."""
+        if self.process is not None and self.proc is not None and self.proc.poll() is None:
+            self.process.signal_all(sig)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # in case a test stopped it
+            self.signal_all(signal.SIGCONT)  # in case a test stopped it
             self.proc.kill()
             self.proc.wait(10)
 
@@ -251,7 +258,7 @@ def test_sigterm_ends_the_fuse_process_within_seconds(
         assert os.pwrite(fd, b"x" * 4096, 0) == 4096
         assert server.proc is not None
         if server_state == "stopped":
-            server.proc.send_signal(signal.SIGSTOP)
+            server.signal_all(signal.SIGSTOP)
         else:
             server.kill()
         reader.start()
@@ -270,8 +277,7 @@ def test_sigterm_ends_the_fuse_process_within_seconds(
         stack.attached.remove(server.uri)
         assert loop_status(device) is None
     finally:
-        if server.proc is not None and server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGCONT)
+        server.signal_all(signal.SIGCONT)
         with contextlib.suppress(OSError):  # ENOTCONN: its FUSE process is gone
             os.close(fd)
 

@@ -139,14 +139,14 @@ def test_a_server_that_stops_answering_fails_io_after_the_timeout(
                 outcome["errno"] = e.errno
             outcome["seconds"] = time.monotonic() - started
 
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        server.signal_all(signal.SIGSTOP)
         try:
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
             reader.join(PROMPTLY)
             assert not reader.is_alive(), "a read from a server that stopped answering hung"
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
+            server.signal_all(signal.SIGCONT)
         assert outcome.get("errno") == errno.EIO, outcome
         # not before the timeout, and not long after it (plus a reconnect attempt)
         assert TIMEOUT * 0.9 <= outcome["seconds"] <= TIMEOUT + watch_period(TIMEOUT) + 15
