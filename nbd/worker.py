@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(parent)
     # A terminal's ^C reaches the whole process group: the listener decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So does a SIGTERM to the group (a service manager stopping the node):
+    # the listener tells its workers to drain, and they must live to do it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tune_malloc()
     raise_fd_limit()
     trio.run(_serve, control_fd)

@@ -188,17 +188,23 @@ class WorkerPool:
     async def synced(self) -> None:
         """Wait until every worker has acknowledged every change made so far.
 
-        A worker that has not within ``SYNC_TIMEOUT`` is killed (it is
-        replaced, and a new worker starts from the table as it is).
+        A worker still starting is not waited for: the change is queued for it
+        ahead of any connection it will get.  A ready worker that has not
+        acknowledged within ``SYNC_TIMEOUT`` (one deadline for all of them) is
+        killed (it is replaced, and a new worker starts from the table as it is).
         """
         seq = self._seq
-        for w in self._live():
-            with trio.move_on_after(SYNC_TIMEOUT):
-                while w.acked < seq and not w.gone:
+        with trio.move_on_after(SYNC_TIMEOUT):
+            for w in self._live():
+                while w.ready and w.acked < seq and not w.gone:
                     await w.acked_event.wait()
-                continue
-            log.error("NBD worker %d did not take an export change in time; replacing it", w.index)
-            _kill(w.proc)
+            return
+        for w in self._live():
+            if w.ready and w.acked < seq:
+                log.error(
+                    "NBD worker %d did not take an export change in time; replacing it", w.index
+                )
+                _kill(w.proc)
 
     # ---------------------------------------------------------- routing
 
@@ -465,24 +471,36 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def _reap(proc: subprocess.Popen[bytes]) -> int:
-    """The worker's exit status, waited for without blocking the loop."""
+    """The worker's exit status, waited for without blocking the loop.
+
+    Bounded: the worker has ``STOP_MARGIN`` to exit, is then killed, and is
+    waited for ``STOP_MARGIN`` more; one that is still there (stuck in the
+    kernel) is logged and left to the kernel (-SIGKILL is returned).
+    """
     if proc.returncode is not None:
         return proc.returncode
     try:
         pidfd = os.pidfd_open(proc.pid)
     except OSError:
-        return await trio.to_thread.run_sync(proc.wait)
+        pidfd = -1
     try:
-        # The control channel ended: the worker is exiting or gone; bounded
-        # by the kill that follows a timeout.
-        with trio.move_on_after(STOP_MARGIN):
-            await trio.lowlevel.wait_readable(pidfd)
-        if proc.poll() is None:
+        for last in (False, True):
+            with trio.move_on_after(STOP_MARGIN):
+                if pidfd >= 0:
+                    await trio.lowlevel.wait_readable(pidfd)
+                else:
+                    await trio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+            if proc.poll() is not None or last:
+                break
             _kill(proc)
-            await trio.lowlevel.wait_readable(pidfd)
     finally:
-        os.close(pidfd)
-    return proc.wait()
+        if pidfd >= 0:
+            os.close(pidfd)
+    status = proc.poll()
+    if status is None:
+        log.error("NBD worker pid %d does not exit even when killed; not waiting for it", proc.pid)
+        return -signal.SIGKILL
+    return status
 
 
 def _status_text(status: int) -> str:

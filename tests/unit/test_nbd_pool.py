@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from ipaddress import ip_network
 from pathlib import Path
@@ -178,3 +180,101 @@ async def test_an_export_too_large_to_tell_the_workers_is_refused(tmp_path: Path
         assert pool.table.runtime("big") is None
         with pytest.raises(trio.WouldBlock):
             worker.inbox.receive_nowait()  # nothing was sent to the worker
+
+
+async def test_synced_does_not_wait_for_or_kill_a_starting_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(workers, "SYNC_TIMEOUT", 0.2)
+    pool = make_pool(tmp_path, [])
+    with fake_worker(pool) as (worker, _):
+        worker.ready = False  # its start includes every change so far
+        pool.table.add(Export("b", tmp_path))
+        await pool.synced()
+        with pytest.raises(subprocess.TimeoutExpired):
+            worker.proc.wait(1)  # not killed
+
+
+async def test_synced_has_one_deadline_for_every_worker(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """Two workers that never acknowledge: both are killed after one
+    SYNC_TIMEOUT (in the test's virtual time), not one after the other."""
+    pool = make_pool(tmp_path, [])
+    with fake_worker(pool, 1) as (first, _), fake_worker(pool, 2) as (second, _):
+        pool.table.add(Export("b", tmp_path))
+        start = trio.current_time()
+        await pool.synced()
+        assert trio.current_time() - start < 2 * workers.SYNC_TIMEOUT
+        assert first.proc.wait(10) == -9 and second.proc.wait(10) == -9
+
+
+async def test_reaping_a_worker_that_does_not_exit_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without pidfd_open too: the worker is killed, and waited for a bounded time."""
+    monkeypatch.setattr(workers, "STOP_MARGIN", 0.2)
+
+    def no_pidfd(pid: int) -> int:
+        raise OSError("no pidfd_open here")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        with trio.fail_after(30):
+            assert await workers._reap(proc) == -9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_sync_exports_waits_for_workers_that_are_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server knows its pool before the pool has started."""
+    from nbd.server import NBDServer
+
+    server = NBDServer(ExportTable(), ServerConfig(workers=2))
+    seen: list[bool] = []
+
+    async def run(self: WorkerPool, *, task_status: trio.TaskStatus[None]) -> None:
+        seen.append(server.pool is self)
+        task_status.started()
+        self.region.close()
+
+    monkeypatch.setattr(WorkerPool, "run", run)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, [])
+        server.shutdown()
+    assert seen == [True]
+
+
+async def test_a_worker_ignores_sigterm() -> None:
+    """A SIGTERM to the process group leaves the draining to the listener."""
+    ours, theirs = control.socketpair()
+    with ours, theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nbd.worker", str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()],
+        )
+        try:
+            with trio.fail_after(30):
+                while not _ignores(proc.pid, signal.SIGTERM):
+                    assert proc.poll() is None
+                    await trio.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            ours.close()  # the listener's end: the worker stops
+            with trio.fail_after(30):
+                while proc.poll() is None:
+                    await trio.sleep(0.02)
+            assert proc.returncode == 0
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
