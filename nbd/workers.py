@@ -24,7 +24,9 @@ only) and serves connections itself too:
   back the file's dirty pages whichever process wrote them: a FLUSH on one
   connection covers the acknowledged writes of every connection.
 - **Failure.**  A worker that dies is logged with its status and replaced
-  (after ``RESPAWN_DELAY``); its connections are gone (clients reconnect).
+  (after ``RESPAWN_DELAY``); its connections are gone (clients reconnect)
+  and its shared counts of them go to 0.  A worker that takes no message for
+  ``HANDOFF_TIMEOUT`` or sends one that makes no sense is killed.
   Workers die with the listener: ``PR_SET_PDEATHSIG`` (set by the worker),
   and the end of their control channel.
 - **Shutdown.**  Workers are told to drain like the listener (the same
