@@ -15,6 +15,8 @@ worker → listener
     ``ack`` (seq): every change up to seq is in the worker's table;
     ``closed``: one of the connections handed to it has ended.
 
+A ``conn`` whose socket could not be received (the receiver is out of
+descriptors) arrives without it: one connection is lost, not the channel.
 Both sides refuse what does not decode (``ControlError``): the other end is
 our own process, so a bad message is a bug, and the channel is dropped.
 """
@@ -137,9 +139,18 @@ async def receive(
     if not data and not fds:
         return None
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if flags & socket.MSG_TRUNC:
             raise ControlError("control message truncated")
-        return decode(data, ops), fds
+        msg = decode(data, ops)
+        if flags & socket.MSG_CTRUNC:
+            if msg["op"] != "conn":
+                raise ControlError("control message's descriptors truncated")
+            # No room for the client's socket here (EMFILE): that one
+            # connection is lost, and the receiver says so; the channel lives.
+            for fd in fds:
+                socket.close(fd)
+            fds = []
+        return msg, fds
     except ControlError:
         for fd in fds:
             socket.close(fd)

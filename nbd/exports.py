@@ -195,8 +195,10 @@ class ExportTable:
                     current.runtime.throttle.reload()
                 self._tell(export, current.runtime)
                 return
-            self.remove(export.name)
+        # Made before the export it replaces goes: a refused export changes nothing.
         runtime = runtime or self._factory(export)
+        if current is not None:
+            self.remove(export.name)
         self._entries[export.name] = _Entry(export, runtime)
         self._tell(export, runtime)
 

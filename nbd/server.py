@@ -137,8 +137,9 @@ class NBDServer:
                 pool = WorkerPool(
                     self.exports, self.config, self.handle_stream, lambda: self._connections
                 )
-                await nursery.start(pool.run)
+                # Before it starts: sync_exports() meanwhile waits for the workers.
                 self.pool = pool
+                await nursery.start(pool.run)
                 handler = pool.route
 
             async def accept_all() -> None:

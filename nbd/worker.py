@@ -11,9 +11,11 @@ once, when the listener dies (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -42,6 +44,15 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def raise_fd_limit() -> None:
+    """Let the worker have as many descriptors as it may (one per connection,
+    and the images it opens): the soft RLIMIT_NOFILE up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
@@ -51,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(parent)
     # A terminal's ^C reaches the whole process group: the listener decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So does a SIGTERM to the group (a service manager stopping the node):
+    # the listener tells its workers to drain, and they must live to do it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tune_malloc()
+    raise_fd_limit()
     trio.run(_serve, control_fd)
     return 0
 
@@ -141,6 +156,9 @@ class _Worker:
                     os.close(fd)
                 if fds:
                     nursery.start_soon(self._serve_connection, fds[0])
+                else:
+                    log.warning("a handed-over connection did not arrive (out of descriptors?)")
+                    await self._send({"op": "closed"})
                 continue
             for fd in fds:
                 os.close(fd)

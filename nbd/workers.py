@@ -24,7 +24,9 @@ only) and serves connections itself too:
   back the file's dirty pages whichever process wrote them: a FLUSH on one
   connection covers the acknowledged writes of every connection.
 - **Failure.**  A worker that dies is logged with its status and replaced
-  (after ``RESPAWN_DELAY``); its connections are gone (clients reconnect).
+  (after ``RESPAWN_DELAY``); its connections are gone (clients reconnect)
+  and its shared counts of them go to 0.  A worker that takes no message for
+  ``HANDOFF_TIMEOUT`` or sends one that makes no sense is killed.
   Workers die with the listener: ``PR_SET_PDEATHSIG`` (set by the worker),
   and the end of their control channel.
 - **Shutdown.**  Workers are told to drain like the listener (the same
@@ -62,7 +64,8 @@ RESPAWN_DELAY = 1.0
 START_TIMEOUT = 30.0
 # How long synced() waits for a worker's acknowledgement before replacing it.
 SYNC_TIMEOUT = 10.0
-# How long a hand-off may wait to be sent before the listener serves the client itself.
+# How long one message may wait for room in a worker's control channel before
+# the worker is killed (its queued hand-offs are then served by the listener).
 HANDOFF_TIMEOUT = 5.0
 # Past the drain's grace, how long workers have to exit before they are killed.
 STOP_MARGIN = 5.0
@@ -70,9 +73,22 @@ STOP_MARGIN = 5.0
 
 @dataclass
 class _Handoff:
-    sock: trio.socket.SocketType
+    """A client socket on its way to a worker.
+
+    ``fd`` is the hand-off's own duplicate of the socket, so what is sent is
+    the client's socket whatever the listener's task does with its stream
+    meanwhile; the sender closes it once the hand-off is over.  ``done`` is
+    set exactly once, when the socket was sent (``sent``) or never will be.
+    """
+
+    fd: int
     done: trio.Event = field(default_factory=trio.Event)
     sent: bool = False
+
+    def finish(self) -> None:
+        if not self.done.is_set():
+            os.close(self.fd)
+            self.done.set()
 
 
 _Queued = tuple[control.Message, "_Handoff | None"]
@@ -133,11 +149,12 @@ class WorkerPool:
         return [w for w in self._workers.values() if not w.gone]
 
     def _allocate(self) -> int:
-        if self._free:
-            slot, seq = self._free[0]
-            acked = min((w.acked for w in self._live()), default=self._seq)
+        # The first removed slot every worker has let go of: each has taken
+        # its removal and none of its connections is left.
+        acked = min((w.acked for w in self._live()), default=self._seq)
+        for i, (slot, seq) in enumerate(self._free):
             if acked >= seq and self.region.connections(slot) == 0:
-                self._free.popleft()
+                del self._free[i]
                 return slot
         if self._next_slot < self.region.slots:
             self._next_slot += 1
@@ -145,6 +162,12 @@ class WorkerPool:
         raise ExportError(f"more than {self.region.slots} exports")
 
     def _runtime(self, export: Export) -> ExportRuntime:
+        # An export every worker could not be told of is refused here, before
+        # the table records anything.
+        try:
+            control.encode(_export_message(2**63, export, self.region.slots - 1))
+        except control.ControlError as e:
+            raise ExportError(f"export {export.name!r}: {e}") from None
         slot = self._allocate()
         self.region.clear(slot)
         throttle = self.region.throttle(slot)
@@ -167,17 +190,23 @@ class WorkerPool:
     async def synced(self) -> None:
         """Wait until every worker has acknowledged every change made so far.
 
-        A worker that has not within ``SYNC_TIMEOUT`` is killed (it is
-        replaced, and a new worker starts from the table as it is).
+        A worker still starting is not waited for: the change is queued for it
+        ahead of any connection it will get.  A ready worker that has not
+        acknowledged within ``SYNC_TIMEOUT`` (one deadline for all of them) is
+        killed (it is replaced, and a new worker starts from the table as it is).
         """
         seq = self._seq
-        for w in self._live():
-            with trio.move_on_after(SYNC_TIMEOUT):
-                while w.acked < seq and not w.gone:
+        with trio.move_on_after(SYNC_TIMEOUT):
+            for w in self._live():
+                while w.ready and w.acked < seq and not w.gone:
                     await w.acked_event.wait()
-                continue
-            log.error("NBD worker %d did not take an export change in time; replacing it", w.index)
-            _kill(w.proc)
+            return
+        for w in self._live():
+            if w.ready and w.acked < seq:
+                log.error(
+                    "NBD worker %d did not take an export change in time; replacing it", w.index
+                )
+                _kill(w.proc)
 
     # ---------------------------------------------------------- routing
 
@@ -191,14 +220,21 @@ class WorkerPool:
         return best
 
     async def route(self, stream: trio.abc.Stream) -> None:
-        """Serve an accepted connection here or in the least busy worker."""
+        """Serve an accepted connection here or in the least busy worker.
+
+        The wait for a hand-off is bounded by the sender: each send has
+        ``HANDOFF_TIMEOUT``, and a worker that takes no more is killed, which
+        fails what is still queued for it.  Only a socket not sent is served
+        here, so no client is ever served by two processes.
+        """
         worker = None if self._stopping else self._pick()
         if worker is not None and isinstance(stream, trio.SocketStream):
-            handoff = _Handoff(stream.socket)
+            handoff = _Handoff(os.dup(stream.socket.fileno()))
             worker.connections += 1
             if worker.queue({"op": "conn"}, handoff):
-                with trio.move_on_after(HANDOFF_TIMEOUT):
-                    await handoff.done.wait()
+                await handoff.done.wait()
+            else:
+                handoff.finish()
             if handoff.sent:
                 stream.socket.close()  # the worker has its own descriptor now
                 return
@@ -268,6 +304,7 @@ class WorkerPool:
                 worker.sock.close()
                 worker.outbox.close()
                 _fail_pending(worker)
+                self._forget_connections(index)
             started.set()
             if self._stopping and status == 0:
                 log.debug("NBD worker %d (pid %d) stopped", index, worker.proc.pid)
@@ -284,6 +321,13 @@ class WorkerPool:
                 return
             self.respawns += 1
             await trio.sleep(RESPAWN_DELAY)
+
+    def _forget_connections(self, index: int) -> None:
+        """A worker process is gone, and so are its connections: its shared
+        counts of open connections go to 0 (its other counters stay in the
+        totals), so ``stats()`` is right and its exports' slots can be reused."""
+        for slot in range(self._next_slot):
+            self.region.row(slot, index).connections = 0
 
     def _spawn(self, index: int) -> _Worker:
         """Start worker ``index`` and queue its settings and the table as it is now."""
@@ -358,7 +402,11 @@ class WorkerPool:
                     for fd in fds:
                         os.close(fd)
                     if msg["op"] == "ack":
-                        worker.acked = max(worker.acked, int(msg["seq"]))
+                        try:
+                            seq_acked = int(msg["seq"])
+                        except (KeyError, TypeError, ValueError):
+                            raise control.ControlError(f"bad ack {str(msg)[:80]!r}") from None
+                        worker.acked = max(worker.acked, seq_acked)
                         if not worker.ready and worker.acked >= seq:
                             worker.ready = True
                             started.set()
@@ -373,15 +421,31 @@ class WorkerPool:
             nursery.cancel_scope.cancel()
 
     async def _send_loop(self, worker: _Worker, scope: trio.CancelScope) -> None:
+        """Send the worker its messages in order.  A worker that takes none for
+        ``HANDOFF_TIMEOUT`` is killed (it is replaced).  A send is all or
+        nothing (a cancelled ``sendmsg`` sent nothing), so a hand-off's
+        ``sent`` is exact."""
         try:
             async for msg, handoff in worker.inbox:
-                fds = [handoff.sock.fileno()] if handoff is not None else None
-                if msg["op"] == "config":
-                    fds = [self.region.fd]
-                await control.send(worker.sock, msg, fds)
-                if handoff is not None:
-                    handoff.sent = True
-                    handoff.done.set()
+                try:
+                    fds = [handoff.fd] if handoff is not None else None
+                    if msg["op"] == "config":
+                        fds = [self.region.fd]
+                    with trio.move_on_after(HANDOFF_TIMEOUT) as timeout:
+                        await control.send(worker.sock, msg, fds)
+                        if handoff is not None:
+                            handoff.sent = True
+                finally:
+                    if handoff is not None:
+                        handoff.finish()
+                if timeout.cancelled_caught:
+                    log.error(
+                        "NBD worker %d took no message for %.0f s; killing it",
+                        worker.index,
+                        HANDOFF_TIMEOUT,
+                    )
+                    _kill(worker.proc)
+                    return
         except (OSError, control.ControlError) as e:
             log.error("NBD worker %d: cannot send to it: %s", worker.index, e)
             _kill(worker.proc)
@@ -399,7 +463,7 @@ def _fail_pending(worker: _Worker) -> None:
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             return
         if handoff is not None:
-            handoff.done.set()
+            handoff.finish()
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -409,24 +473,36 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def _reap(proc: subprocess.Popen[bytes]) -> int:
-    """The worker's exit status, waited for without blocking the loop."""
+    """The worker's exit status, waited for without blocking the loop.
+
+    Bounded: the worker has ``STOP_MARGIN`` to exit, is then killed, and is
+    waited for ``STOP_MARGIN`` more; one that is still there (stuck in the
+    kernel) is logged and left to the kernel (-SIGKILL is returned).
+    """
     if proc.returncode is not None:
         return proc.returncode
     try:
         pidfd = os.pidfd_open(proc.pid)
     except OSError:
-        return await trio.to_thread.run_sync(proc.wait)
+        pidfd = -1
     try:
-        # The control channel ended: the worker is exiting or gone; bounded
-        # by the kill that follows a timeout.
-        with trio.move_on_after(STOP_MARGIN):
-            await trio.lowlevel.wait_readable(pidfd)
-        if proc.poll() is None:
+        for last in (False, True):
+            with trio.move_on_after(STOP_MARGIN):
+                if pidfd >= 0:
+                    await trio.lowlevel.wait_readable(pidfd)
+                else:
+                    await trio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+            if proc.poll() is not None or last:
+                break
             _kill(proc)
-            await trio.lowlevel.wait_readable(pidfd)
     finally:
-        os.close(pidfd)
-    return proc.wait()
+        if pidfd >= 0:
+            os.close(pidfd)
+    status = proc.poll()
+    if status is None:
+        log.error("NBD worker pid %d does not exit even when killed; not waiting for it", proc.pid)
+        return -signal.SIGKILL
+    return status
 
 
 def _status_text(status: int) -> str:

@@ -11,10 +11,12 @@ of them die with the listener.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -236,3 +238,93 @@ async def test_counters_and_connections_add_up_over_processes(tmp_path: Path) ->
             with trio.fail_after(TIMEOUT):
                 while server.active_connections or table.stats()[0][2]:
                     await trio.sleep(0.02)
+
+
+# ------------------------------------------------------------------ failures
+
+
+def our_workers() -> list[int]:
+    """The worker processes of the in-process server this test runs."""
+    return [
+        c for c in children(os.getpid()) if b"nbd.worker" in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+
+
+async def test_a_worker_killed_with_connections_open_lets_them_go(tmp_path: Path) -> None:
+    """Its shared counts of open connections go back to 0, and the slot of an
+    export removed meanwhile is used again."""
+    img = sparse_image(tmp_path / "d.img", 4 * MiB)
+    table = ExportTable([Export("d", img)])
+    with trio.fail_after(60):
+        async with serving(table, ServerConfig(workers=2)) as (server, port):
+            runtime = table.runtime("d")
+            assert runtime is not None and runtime.shared is not None
+            slot = runtime.shared.slot
+            # On a tie the worker gets the connection.
+            client, _ = await open_export(port, "d")
+            assert await client.read(0, 4096) == bytes(4096)
+            assert [c for _, c in rows(server, "d")] == [0, 1]
+            (worker,) = our_workers()
+            os.kill(worker, signal.SIGKILL)
+            with trio.fail_after(TIMEOUT):
+                while table.stats()[0][2]:
+                    await trio.sleep(0.02)
+            assert [c for _, c in rows(server, "d")] == [0, 0]
+            table.remove("d")
+            await server.sync_exports()
+            table.add(Export("e", img))
+            await server.sync_exports()
+            again = table.runtime("e")
+            assert again is not None and again.shared is not None
+            assert again.shared.slot == slot
+            with trio.move_on_after(TIMEOUT):
+                await client.disconnect()
+
+
+async def test_a_worker_that_stops_reading_never_shares_a_client(tmp_path: Path) -> None:
+    """A worker stopped (SIGSTOP) while connections are handed to it: each client
+    is served by one process (the listener, or the worker before it is killed
+    for taking nothing), never by both."""
+    from nbd import codec, workers
+
+    img = sparse_image(tmp_path / "d.img", 4 * MiB)
+    table = ExportTable([Export("d", img)])
+    socks: list[trio.socket.SocketType] = []
+    with trio.fail_after(120):
+        async with serving(table, ServerConfig(workers=2)) as (server, port):
+            (worker,) = our_workers()
+            # A small send buffer: a few hand-offs fill the control channel.
+            assert server.pool is not None
+            channel = server.pool._workers[1].sock
+            channel.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                # Enough hand-offs to fill the stopped worker's control channel.
+                for _ in range(40):
+                    s = trio.socket.socket()
+                    await s.connect(("127.0.0.1", port))
+                    socks.append(s)
+                # Bounded: the listener gives up on the worker within
+                # HANDOFF_TIMEOUT of its channel filling up.
+                with trio.move_on_after(3 * workers.HANDOFF_TIMEOUT):
+                    while not gone(worker):
+                        await trio.sleep(0.05)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGCONT)
+            received = [b""] * len(socks)
+
+            async def take(i: int) -> None:
+                while chunk := await socks[i].recv(4096):
+                    received[i] += chunk
+
+            # Whatever is coming comes at once: one greeting, or the
+            # connection closed with the worker; never two greetings.
+            with trio.move_on_after(3):
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(socks)):
+                        nursery.start_soon(take, i)
+            for s in socks:
+                s.close()
+            assert all(len(got) in (0, codec.GREETING.size) for got in received), received
+            assert gone(worker), "the worker that took nothing is killed"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import socket
+from collections.abc import Iterator
 from ipaddress import ip_network
 from pathlib import Path
 
@@ -275,3 +278,78 @@ def test_a_shared_table_tells_its_watcher_every_change(tmp_path: Path) -> None:
     table.unshare(watcher)
     table.add(Export("c", tmp_path))
     assert len(told) == 6 and made == ["a", "b", "b"]
+
+
+@contextlib.contextmanager
+def out_of_descriptors() -> Iterator[None]:
+    """No new descriptor can be made in this process (EMFILE) until the end."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_socket_that_cannot_be_received_loses_one_connection_not_the_channel(
+    tmp_path: Path,
+) -> None:
+    ours, theirs = control.socketpair()
+    a = trio.socket.from_stdlib_socket(ours)
+    b = trio.socket.from_stdlib_socket(theirs)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        await control.send(a, {"op": "conn"}, [fd])
+        await control.send(a, {"op": "conn"}, [fd])
+        with out_of_descriptors():
+            got = await control.receive(b, control.OPS_TO_WORKER)
+        assert got == ({"op": "conn"}, [])
+        got = await control.receive(b, control.OPS_TO_WORKER)
+        assert got is not None and got[0] == {"op": "conn"} and len(got[1]) == 1
+        os.close(got[1][0])
+        # Anything else that lost its descriptors is still refused.
+        await control.send(a, {"op": "config"}, [fd])
+        with out_of_descriptors(), pytest.raises(control.ControlError):
+            await control.receive(b, control.OPS_TO_WORKER)
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+async def test_a_worker_says_closed_for_a_connection_that_did_not_arrive() -> None:
+    from nbd.server import NBDServer
+    from nbd.worker import _Worker
+
+    ours, theirs = control.socketpair()
+    region = SharedRegion.create(processes=2, slots=4)
+    listener = trio.socket.from_stdlib_socket(ours)
+    worker = _Worker(trio.socket.from_stdlib_socket(theirs), NBDServer(ExportTable()), region, 1)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run, nursery)
+            await control.send(listener, {"op": "conn"})  # its socket lost on the way
+            with trio.fail_after(10):
+                got = await control.receive(listener, control.OPS_TO_LISTENER)
+            assert got == ({"op": "closed"}, [])
+            nursery.cancel_scope.cancel()
+    finally:
+        listener.close()
+        worker.sock.close()
+        region.close()
+
+
+def test_a_worker_raises_its_descriptor_limit() -> None:
+    from nbd.worker import raise_fd_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no finite hard limit to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+    try:
+        raise_fd_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
