@@ -6,6 +6,8 @@ import contextlib
 import os
 import resource
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from ipaddress import ip_network
 from pathlib import Path
@@ -342,14 +344,25 @@ async def test_a_worker_says_closed_for_a_connection_that_did_not_arrive() -> No
 
 
 def test_a_worker_raises_its_descriptor_limit() -> None:
-    from nbd.worker import raise_fd_limit
+    """In a child given finite limits of its own (soft 256, hard 1024), whatever this
+    process's limits are: the worker's start takes the soft limit up to the hard one."""
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        pytest.skip("no finite hard limit to raise to")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
-    try:
-        raise_fd_limit()
-        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))
+
+    script = (
+        "import resource\n"
+        "from nbd.worker import raise_fd_limit\n"
+        "raise_fd_limit()\n"
+        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.stdout.split() == ["1024", "1024"]
