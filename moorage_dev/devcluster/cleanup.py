@@ -9,16 +9,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from backend.loopdevices import loop_backing_id, loop_devices
+from hostio import tools as hosttools
 from hostio.mountinfo import MountEntry, read_mountinfo
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: the cgroup moorage's node plugin moves its FUSE daemons to (chart: node.fuseCgroup)
 FUSE_CGROUP = "moorage-fuse"
+# umount/losetup on a dead server's mount can block; past this the lazy way is taken
+UMOUNT_TIMEOUT = 30.0
 
 
 def _pids_in(cgroup: str) -> set[int]:
@@ -79,8 +81,11 @@ def unmount_under(prefixes: list[Path]) -> list[str]:
         if not points:
             break
         for point in sorted(set(points), key=len, reverse=True):
-            if subprocess.run(["umount", point], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", point], capture_output=True)
+            try:
+                hosttools.run(["umount", point], timeout=UMOUNT_TIMEOUT)
+            except hosttools.ToolError:  # busy, or a dead server's mount: detach it
+                with contextlib.suppress(hosttools.ToolError):
+                    hosttools.run(["umount", "-l", point], timeout=UMOUNT_TIMEOUT)
             gone.append(point)
     return gone
 
@@ -114,8 +119,11 @@ def detach_loops(prefixes: list[Path], devices: set[int]) -> list[str]:
             candidates.add(f"/dev/{entry.name}")
     detached = []
     for device in sorted(candidates):
-        if subprocess.run(["losetup", "-d", device], capture_output=True).returncode == 0:
-            detached.append(device)
+        try:
+            hosttools.run(["losetup", "-d", device], timeout=UMOUNT_TIMEOUT)
+        except hosttools.ToolError:
+            continue
+        detached.append(device)
     return detached
 
 
@@ -139,5 +147,6 @@ def remove_pod_netns() -> None:
     if not base.is_dir():
         return
     for entry in base.glob("cni-*"):
-        subprocess.run(["umount", str(entry)], capture_output=True)
+        with contextlib.suppress(hosttools.ToolError):
+            hosttools.run(["umount", str(entry)], timeout=UMOUNT_TIMEOUT)
         entry.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hostio import tools as hosttools
 from hostio.atomicfile import write_atomically
 from hostio.mountinfo import parse_mountinfo, read_mountinfo
 from moorage_dev.devcluster import cleanup, control, network, procs
@@ -24,6 +25,7 @@ from moorage_dev.devcluster.tools import Tools
 log = logging.getLogger("moorage_dev.devcluster")
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "moorage"
 SECOND_NODE_TAINT = "moorage.dev/e2e-second-node=true"
+MOUNT_TIMEOUT = 30.0  # a bind mount or propagation change, local and quick
 SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", NAMESPACE}
 
 
@@ -35,8 +37,8 @@ def _shared_bind(path: Path) -> None:
     """``path`` as a shared mount of its own: hostPath volumes with Bidirectional need it."""
     path.mkdir(parents=True, exist_ok=True)
     if str(path) not in cleanup._mount_points():
-        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-    subprocess.run(["mount", "--make-rshared", str(path)], check=True)
+        hosttools.run(["mount", "--bind", str(path), str(path)], timeout=MOUNT_TIMEOUT)
+    hosttools.run(["mount", "--make-rshared", str(path)], timeout=MOUNT_TIMEOUT)
 
 
 def up(
@@ -178,7 +180,7 @@ def status(layout: Layout, tools: Tools | None) -> dict[str, Any]:
                 for n in kube.get("nodes")["items"]
             }
             result["pods"] = _pods(kube)
-        except (KubectlError, subprocess.SubprocessError) as e:
+        except (KubectlError, subprocess.SubprocessError, hosttools.ToolError) as e:
             result["api"] = str(e)
     return result
 
@@ -221,7 +223,7 @@ def down(layout: Layout, tools: Tools | None, report: Callable[[str], None] = pr
         try:
             if kube.ready():
                 _graceful(layout, kube, report)
-        except (KubectlError, TimeoutError, subprocess.SubprocessError) as e:
+        except (KubectlError, TimeoutError, subprocess.SubprocessError, hosttools.ToolError) as e:
             report(f"graceful teardown incomplete ({e}); removing by force")
     # "kubepods": kubelet's default root, should a node have run without ours
     cgroups = [n.cgroup_root for n in layout.nodes] + [cleanup.FUSE_CGROUP, "kubepods"]

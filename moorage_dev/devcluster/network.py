@@ -9,9 +9,9 @@ routes there, and no namespace has a route out of the machine.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
+from hostio import tools as hosttools
 from moorage_dev.devcluster.layout import (
     BRIDGE,
     CONTROL_ADDRESS,
@@ -23,18 +23,18 @@ from moorage_dev.devcluster.layout import (
 )
 
 PREFIX = NODE_NETWORK.prefixlen
+IP_TIMEOUT = 30.0  # one `ip` or `sysctl` call
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
     argv = ["ip", *(["-n", netns] if netns else []), *args]
-    subprocess.run(argv, check=True, capture_output=True, text=True)
+    hosttools.run(argv, timeout=IP_TIMEOUT)
 
 
 def _sysctl(netns: str, key: str, value: str) -> None:
-    subprocess.run(
+    hosttools.run(
         ["ip", "netns", "exec", netns, "sysctl", "-q", "-w", f"{key}={value}"],
-        check=True,
-        capture_output=True,
+        timeout=IP_TIMEOUT,
     )
 
 

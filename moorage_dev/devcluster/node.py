@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from hostio import tools as hosttools
 from hostio.atomicfile import write_atomically
 from hostio.mountinfo import read_mountinfo
 from moorage_dev.devcluster import pki, procs
@@ -26,6 +27,8 @@ from moorage_dev.devcluster.layout import (
 from moorage_dev.devcluster.tools import Tools
 
 CNI_BIN = "/usr/lib/cni"
+MOUNT_TIMEOUT = 30.0  # bind mounts and the namespace set-up script
+CTR_TIMEOUT = 600.0  # `ctr images import` of the largest archive takes about a minute
 
 
 def daemons(node: Node) -> list[str]:
@@ -246,11 +249,12 @@ def _proxy_config(node: Node) -> Path:
     return path
 
 
-def ctr(node: Node, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def ctr(node: Node, *args: str, timeout: float = CTR_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run ``ctr`` against the node's containerd; its exit status is the caller's to read."""
+    return hosttools.run(
         ["ctr", f"--address={node.containerd_socket}", "--namespace=k8s.io", *args],
-        capture_output=True,
-        text=True,
+        timeout=timeout,
+        ok=range(256),
     )
 
 
@@ -286,8 +290,8 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
     pin.parent.mkdir(parents=True, exist_ok=True)
     # `unshare --mount=FILE` needs FILE on a mount that does not propagate
     if str(pin.parent) not in _mount_points():
-        subprocess.run(["mount", "--bind", str(pin.parent), str(pin.parent)], check=True)
-    subprocess.run(["mount", "--make-private", str(pin.parent)], check=True)
+        hosttools.run(["mount", "--bind", str(pin.parent), str(pin.parent)], timeout=MOUNT_TIMEOUT)
+    hosttools.run(["mount", "--make-private", str(pin.parent)], timeout=MOUNT_TIMEOUT)
     pin.touch()
     kubelet = node.dir / "kubelet"
     state = node.dir / "csi-state"
@@ -305,11 +309,9 @@ def make_mount_namespace(layout: Layout, node: Node) -> None:
         # no copy of another program's mounts under /tmp may stay pinned here
         f"{sys.executable} -m moorage_dev.devcluster.nodeinit --drop-mounts"
     )
-    subprocess.run(
+    hosttools.run(
         ["unshare", f"--mount={pin}", "--propagation", "private", "sh", "-c", script],
-        check=True,
-        capture_output=True,
-        text=True,
+        timeout=MOUNT_TIMEOUT,
     )
 
 
@@ -335,7 +337,7 @@ def start_containerd(layout: Layout, node: Node) -> None:
     )
     procs.wait_for(
         f"{name} socket",
-        lambda: ctr(node, "version").returncode == 0,
+        lambda: ctr(node, "version", timeout=10).returncode == 0,
         timeout=60,
         log=layout.logs / f"{name}.log",
         alive=lambda: procs.running(layout, name),

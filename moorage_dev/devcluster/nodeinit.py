@@ -19,15 +19,17 @@ node's pinned mount namespace).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import subprocess
 import sys
 
+from hostio import tools as hosttools
 from hostio.mountinfo import read_mountinfo
 
 # where other programs (tests, the kernel lane) mount their own things
 FOREIGN = ("/tmp",)
+MOUNT_TIMEOUT = 30.0
 
 
 def _mount_points() -> list[str]:
@@ -38,11 +40,15 @@ def drop_foreign_mounts(prefixes: tuple[str, ...] = FOREIGN) -> list[str]:
     """Detach this mount namespace's mounts under ``prefixes``; the ones dropped."""
     points = [p for p in _mount_points() if any(p == x or p.startswith(x + "/") for x in prefixes)]
     for point in points:
-        subprocess.run(["mount", "--make-private", point], capture_output=True, check=False)
+        with contextlib.suppress(hosttools.ToolError):
+            hosttools.run(["mount", "--make-private", point], timeout=MOUNT_TIMEOUT)
     dropped = []
     for point in sorted(set(points), key=lambda p: -p.count("/")):
-        if subprocess.run(["umount", "-l", point], capture_output=True).returncode == 0:
-            dropped.append(point)
+        try:
+            hosttools.run(["umount", "-l", point], timeout=MOUNT_TIMEOUT)
+        except hosttools.ToolError:
+            continue
+        dropped.append(point)
     return dropped
 
 

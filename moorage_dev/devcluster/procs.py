@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hostio.atomicfile import write_atomically
+from hostio.tools import ToolError
 from moorage_dev.devcluster.layout import Layout
 
 
@@ -176,7 +177,7 @@ def wait_for(
         try:
             if check():
                 return
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError, ToolError):
             pass
         if alive is not None and not alive():
             raise ClusterError(f"{what}: the process exited{_tail(log)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,32 @@ def test_the_report_counts_specs_not_suite_nodes(tmp_path: Path) -> None:
     counts = conformance.read_junit(report)
     assert (counts.passed, counts.failed, counts.skipped) == (1, 2, 1)
     assert counts.failures == ["[It] External Storage b", "[SynchronizedAfterSuite]"]
+
+
+def test_a_hung_suite_is_killed_with_its_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ginkgo's parallel processes included: nothing of a run past GINKGO_WAIT survives it."""
+    monkeypatch.setattr(conformance, "GINKGO_WAIT", 1.0)
+    pidfile = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {pidfile}; wait"
+    with (tmp_path / "log").open("wb") as log, pytest.raises(RuntimeError, match="still running"):
+        conformance._run_ginkgo(["sh", "-c", script], log)
+    child = int(pidfile.read_text())
+    # the killed child is reaped by init; until then it may linger as a zombie
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"pid {child} still running after the bound")
+
+
+def test_a_finished_suite_gives_its_exit_status(tmp_path: Path) -> None:
+    with (tmp_path / "log").open("wb") as log:
+        assert conformance._run_ginkgo(["sh", "-c", "echo out; exit 3"], log) == 3
+    assert (tmp_path / "log").read_text() == "out\n"
