@@ -61,6 +61,8 @@ export MOORAGE_CNI_BIN := /usr/lib/cni
 IMAGE_REF := moorage:0.1.0
 IMAGE_INPUTS := $(shell git ls-files -s hostio nbd fuse backend csi moorage pyproject.toml deploy/image 2>/dev/null | sha256sum | cut -c1-16)
 IMAGE := $(HOME)/.cache/moorage/image/moorage-$(IMAGE_INPUTS).tar
+# how many image archives stay in the cache (the newest)
+IMAGES_KEPT := 4
 export MOORAGE_IMAGE := $(IMAGE)
 export MOORAGE_IMAGE_REF := $(IMAGE_REF)
 # The kernel lane's guest (docs/kernel-lane.md): Debian's cloud kernel and a
@@ -106,7 +108,8 @@ tools: $(CSI_SANITY) $(HELM)
 $(IMAGE): | proto
 	mkdir -p $(dir $@)
 	bash deploy/image/build.sh $@ $(IMAGE_REF) $(PY)
-	find $(dir $@) -maxdepth 1 -name 'moorage-*.tar' ! -name $(notdir $@) -delete
+	# the newest few stay: other checkouts (worktrees, a fresh clone) share this cache
+	ls -t $(dir $@)moorage-*.tar | tail -n +$$(( $(IMAGES_KEPT) + 1 )) | xargs -r rm -f --
 
 image: host proto $(IMAGE)
 
