@@ -245,6 +245,32 @@ def busybox_pod(name: str, command: str, mounts: dict[str, str]) -> dict[str, An
     }
 
 
+FIO_IMAGE = "moorage-e2e-fio:3.33"
+FIO_DEVICE = "/dev/xvda"
+
+
+def fio_pod(claim_name: str) -> dict[str, Any]:
+    """A pod named ``fio`` idling with the raw block claim ``claim_name`` at FIO_DEVICE;
+    the scenarios run fio in it through ``ns.exec``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "fio"},
+        "spec": {
+            "containers": [
+                {
+                    "name": "fio",
+                    "image": FIO_IMAGE,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["sleep", "3600"],
+                    "volumeDevices": [{"name": "data", "devicePath": FIO_DEVICE}],
+                }
+            ],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim_name}}],
+        },
+    }
+
+
 def replicas_ready(ns: Namespace, deployment: str, count: int) -> None:
     def ready() -> bool:
         status = (ns.get("deployment", deployment) or {}).get("status", {})

@@ -6,9 +6,8 @@ import functools
 import json
 from typing import Any
 
-from tests.e2e.conftest import Namespace, claim, step
+from tests.e2e.conftest import FIO_DEVICE, Namespace, claim, fio_pod, step
 
-FIO_IMAGE = "moorage-e2e-fio:3.33"
 LIMIT = 150
 
 
@@ -29,7 +28,7 @@ def _modified_to(ns: Namespace, name: str) -> bool:
 
 def _fio_iops(ns: Namespace) -> float:
     out = ns.exec(
-        "fio", "fio", "--name=limit", "--filename=/dev/xvda", "--rw=randread", "--bs=4k",
+        "fio", "fio", "--name=limit", f"--filename={FIO_DEVICE}", "--rw=randread", "--bs=4k",
         "--direct=1", "--invalidate=0", "--ioengine=libaio", "--iodepth=8",
         "--time_based", "--runtime=8",
         "--output-format=json",
@@ -46,25 +45,7 @@ def test_iops_limit_applied_and_lifted(ns: Namespace) -> None:
         ns.apply(
             [
                 claim("tuned", "moorage-block", block=True),
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {"name": "fio"},
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "fio",
-                                "image": FIO_IMAGE,
-                                "imagePullPolicy": "IfNotPresent",
-                                "command": ["sleep", "3600"],
-                                "volumeDevices": [{"name": "data", "devicePath": "/dev/xvda"}],
-                            }
-                        ],
-                        "volumes": [
-                            {"name": "data", "persistentVolumeClaim": {"claimName": "tuned"}}
-                        ],
-                    },
-                },
+                fio_pod("tuned"),
             ]
         )
         ns.bound("tuned")

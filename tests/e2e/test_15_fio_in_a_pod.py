@@ -22,10 +22,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from tests.e2e.conftest import Cluster, Namespace, claim, step
+from tests.e2e.conftest import FIO_DEVICE, Cluster, Namespace, claim, fio_pod, step
 
-FIO_IMAGE = "moorage-e2e-fio:3.33"
-DEVICE = "/dev/xvda"
 SIZE = 1 << 30  # the claim's 1Gi
 RUNTIME = 8  # seconds per timed run
 ROUNDS = 2  # each workload: pod, host, then host, pod; the best of each side kept
@@ -56,26 +54,6 @@ WORKLOADS = (
 )
 
 
-def _pod() -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "fio"},
-        "spec": {
-            "containers": [
-                {
-                    "name": "fio",
-                    "image": FIO_IMAGE,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["sleep", "3600"],
-                    "volumeDevices": [{"name": "data", "devicePath": DEVICE}],
-                }
-            ],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "raw"}}],
-        },
-    }
-
-
 def _report(out: str, what: str) -> dict[str, Any]:
     """The single job of fio's JSON report (fio's nbd engine says something first)."""
     job: dict[str, Any] = json.loads(out[out.index("{") :])["jobs"][0]
@@ -101,7 +79,7 @@ class Fio:
     def pod(self, *args: str) -> str:
         return self.ns.kube.run(
             "exec", "-n", self.ns.name, "fio", "--",
-            "fio", f"--filename={DEVICE}", "--ioengine=libaio", "--direct=1",
+            "fio", f"--filename={FIO_DEVICE}", "--ioengine=libaio", "--direct=1",
             "--output-format=json", *args,
             timeout=RUNTIME + 240,
         ).stdout  # fmt: skip
@@ -133,17 +111,18 @@ def _export_uri(ns: Namespace, pv: str) -> str:
 
 
 def test_fio_in_a_pod_against_fio_on_the_export(cluster: Cluster, ns: Namespace) -> None:
-    ns.apply([claim("raw", "moorage-block", block=True), _pod()])
+    ns.apply([claim("raw", "moorage-block", block=True), fio_pod("raw")])
     ns.bound("raw")
     pod = ns.pod_running("fio")
     node = next(n for n in cluster.layout.nodes if n.name == pod["spec"]["nodeName"])
     uri = _export_uri(ns, ns.get("pvc", "raw")["spec"]["volumeName"])
-    size = int(ns.exec("fio", "blockdev", "--getsize64", DEVICE).strip())
+    size = int(ns.exec("fio", "blockdev", "--getsize64", FIO_DEVICE).strip())
     assert size == SIZE, size
     fio = Fio(ns, node.netns, uri)
-    major = int(ns.exec("fio", "stat", "-L", "-c", "%t", DEVICE).strip(), 16)
+    major = int(ns.exec("fio", "stat", "-L", "-c", "%t", FIO_DEVICE).strip(), 16)
     path = DEVICE_KINDS.get(major, f"a device of major {major}")
-    step(f"pod on {node.name}, {DEVICE} is {path}; the host's fio reaches {uri} from {node.netns}")
+    step(f"pod on {node.name}, {FIO_DEVICE} is {path}")
+    step(f"the host's fio reaches {uri} from {node.netns}")
 
     # Every block written once, so no run reads holes of the image.
     _report(fio.pod("--name=fill", "--rw=write", "--bs=1m", "--iodepth=8"), "fill")
