@@ -27,7 +27,10 @@ _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int6
 _fallocate.restype = ctypes.c_int
 
 _ZERO_CHUNK = bytes(1 << 20)
-# An inline write slower than this pauses inline writes for the backoff.
+# An inline write that kept the event loop waiting this long pauses inline
+# writes for the backoff.  Only waiting in the kernel counts (see
+# ``ThreadClock``): time the loop's thread spent waiting for a CPU is not the
+# disk's doing, and threads would not make it shorter.
 SLOW_INLINE_WRITE = 0.002
 # The same for a write made by a connection's reply thread.  Its time also
 # holds the wait for the GIL after the system call, up to Python's switch
@@ -41,6 +44,59 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
     if _fallocate(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+class ThreadClock:
+    """How long the calling thread slept in the kernel since ``mark()``.
+
+    Sleeping is what is left of the wall time once the time the thread ran on
+    a CPU and the time it waited in a run queue for one are taken out (both
+    from ``/proc/thread-self/schedstat``).  On a busy machine a thread is
+    often made to wait for a CPU in the middle of a system call; that wait
+    says nothing about the disk.  Where the file cannot be read, every
+    moment off a CPU counts as sleeping (the wall time).
+
+    Bound to the thread that first uses it (the event loop's).
+    """
+
+    _UNREADABLE = -2
+
+    def __init__(self) -> None:
+        self._fd = -1  # opened on first use, by the thread it measures
+        self._wall = 0.0
+        self._busy = 0  # ns on a CPU or waiting for one, at the mark
+
+    def _busy_ns(self) -> int:
+        if self._fd == -1:
+            try:
+                self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._fd = self._UNREADABLE
+        if self._fd < 0:
+            return 0
+        try:
+            run, wait, _ = os.pread(self._fd, 128, 0).split()
+            return int(run) + int(wait)
+        except (OSError, ValueError):
+            os.close(self._fd)
+            self._fd = self._UNREADABLE
+            return 0
+
+    def mark(self) -> None:
+        self._wall = time.monotonic()
+        self._busy = self._busy_ns()
+
+    def slept(self) -> float:
+        """Seconds spent sleeping since the mark."""
+        wall = time.monotonic() - self._wall
+        if self._fd == self._UNREADABLE:
+            return wall
+        return wall - (self._busy_ns() - self._busy) / 1e9
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
 
 
 class Image:
@@ -59,6 +115,8 @@ class Image:
         self._nowait_reads = bool(_RWF_NOWAIT)
         self._nowait_writes = bool(_RWF_NOWAIT)
         self._blocking_writes_after = 0.0
+        self._clock = ThreadClock()
+        self._marked = False
         self.can_punch = True
         self.can_zero_range = True
 
@@ -74,6 +132,7 @@ class Image:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self._clock.close()
 
     # -- reads
 
@@ -117,14 +176,26 @@ class Image:
                 return 0
             raise
 
+    def begin_inline(self) -> None:
+        """A run of inline writes starts: the loop waits for nothing else until it ends.
+
+        ``write_inline`` measures how long the loop slept in the kernel from
+        just before the run's first write (one look at the scheduler's
+        figures per run, not per write).
+        """
+        self._marked = False
+
     def write_inline(self, data: memoryview, offset: int) -> bool:
         """Write into the page cache from the event loop; False: use a thread.
 
         With RWF_NOWAIT the kernel says when a write would block.  Where the
         filesystem does not support it for buffered writes (ext4), a plain
-        write is made and timed: one that took long (the kernel throttling
-        dirty pages) sends the writes of the next second to threads, so one
-        busy disk cannot stall every other connection for long.
+        write is made and timed: if it took long and the loop's thread slept
+        for that long in the kernel since ``begin_inline`` (the kernel
+        throttling dirty pages, a journal commit), the writes of the next
+        second go to threads, so one busy disk cannot stall every other
+        connection for long.  A write that took long only because the thread
+        waited for a CPU keeps writes inline.
         """
         if self._nowait_writes:
             n = self.write_nowait(data, offset)
@@ -134,18 +205,29 @@ class Image:
                 return False  # would block (or wrote part): a thread finishes it
         if not self.may_write_inline():
             return False
-        self.writev_timed([data], offset, SLOW_INLINE_WRITE)
+        if not self._marked:
+            self._clock.mark()
+            self._marked = True
+        start = time.monotonic()
+        fd = self.fd
+        done = os.pwrite(fd, data, offset)
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+        if time.monotonic() - start > SLOW_INLINE_WRITE:
+            if self._clock.slept() > SLOW_INLINE_WRITE:
+                self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
+            self._marked = False  # measure the next write from its own start
         return True
 
     def may_write_inline(self) -> bool:
         """False for a while after a write into the page cache was slow."""
         return time.monotonic() >= self._blocking_writes_after
 
-    def writev_timed(self, views: list[memoryview], offset: int, slow: float | None = None) -> None:
+    def writev_timed(self, views: list[memoryview], offset: int) -> None:
         """Adjacent buffers in one system call, timed: a slow write pauses inline writes.
 
-        The default threshold is for a connection's reply thread, whose time
-        also holds the wait for the GIL (``SLOW_THREAD_WRITE``).
+        For a connection's reply thread, whose time also holds the wait for
+        the GIL (``SLOW_THREAD_WRITE``).
         """
         now = time.monotonic()
         views = list(views)
@@ -153,7 +235,7 @@ class Image:
             done = os.pwritev(self.fd, views, offset)
             offset += done
             consume(views, done)
-        if time.monotonic() - now > (SLOW_THREAD_WRITE if slow is None else slow):
+        if time.monotonic() - now > SLOW_THREAD_WRITE:
             self._blocking_writes_after = time.monotonic() + INLINE_WRITE_BACKOFF
 
     def write(self, data: memoryview, offset: int, fua: bool = False) -> None:

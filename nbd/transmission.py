@@ -246,6 +246,10 @@ class Transmission:
                     self._awaiting_request = False
             if batches:
                 served, need = await self._serve_batch()
+                # While requests come in batches, read as much as there is
+                # room for: each read (and each batch's reply) then covers
+                # many small writes, not the 3 or 4 that a chunk holds.
+                t.read_ahead(served > 0 or need > 0)
                 if served and self.requests - last_yield >= YIELD_EVERY:
                     last_yield = self.requests
                     await trio.lowlevel.checkpoint()
@@ -353,6 +357,7 @@ class Transmission:
         if self.throttle is not None and not self.throttle.unlimited:
             return 0, 0
         unpack = codec.REQUEST.unpack_from
+        image.begin_inline()
         used = served = read = written = need = 0
         while end - pos >= 28:
             magic, flags, type_, cookie, offset, length = unpack(rbuf, pos)
@@ -513,6 +518,7 @@ class Transmission:
                 await self._send_read(req, buf, extents, lambda: self._buffers.put(buf))
                 return True
             if req.type == Command.WRITE and payload is not None and not req.flags:
+                self.image.begin_inline()
                 if not self.image.write_inline(memoryview(payload), req.offset):
                     return False
                 await self._ok(req)

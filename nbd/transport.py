@@ -17,9 +17,11 @@ from nbd.iov import consume
 
 Buffer = bytes | bytearray | memoryview
 
-# Input is read in chunks of this size for headers (many small requests per
-# system call); a write payload beyond what such a read brought in goes
-# straight into its own buffer, so a small chunk means little copying.
+# Input is read in chunks of at least this size for headers (many small
+# requests per system call); a write payload beyond what such a read brought
+# in goes straight into its own buffer, so a small chunk means little copying.
+# While the transmission serves small requests in batches from the buffer, it
+# asks for reads that fill the buffer instead (``read_ahead``).
 _RECV_CHUNK = 16 * 1024
 # The input buffer holds a chunk and a small write's whole payload, so the
 # transmission can write that payload from here (``wait_for``).
@@ -38,6 +40,7 @@ class Transport:
         self._rview = memoryview(self._rbuf)
         self._start = 0
         self._end = 0
+        self._chunk = _RECV_CHUNK
         self.set_stream(stream)
 
     def set_stream(self, stream: trio.abc.Stream) -> None:
@@ -74,6 +77,10 @@ class Transport:
     def buffered(self) -> int:
         return self._end - self._start
 
+    def read_ahead(self, fill: bool) -> None:
+        """Make each read take all the room the buffer has (``fill``), or a chunk."""
+        self._chunk = len(self._rbuf) if fill else _RECV_CHUNK
+
     async def _fill(self, want: int = _RECV_CHUNK) -> None:
         """Read more input into the buffer: at least one byte, at most ``want`` (or a chunk)."""
         if self._start == self._end:
@@ -83,7 +90,7 @@ class Transport:
             n = self._end - self._start
             self._rbuf[:n] = self._rbuf[self._start : self._end]
             self._start, self._end = 0, n
-        stop = min(len(self._rbuf), self._end + max(want, _RECV_CHUNK))
+        stop = min(len(self._rbuf), self._end + max(want, self._chunk))
         try:
             if self._sock is not None:
                 got = await self._recv_raw(self._rview[self._end : stop])
