@@ -61,10 +61,11 @@ class ReadySignal:
         self._answer(f"error: {reason}\n".encode(errors="replace"))
 
 
-def configure_logging(debug: bool) -> None:
+def configure_logging(debug: bool, who: str = "") -> None:
+    """Log lines to stderr; ``who`` (a worker process) is said in each."""
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        format=f"%(asctime)s %(name)s {who + ' ' if who else ''}%(levelname)s %(message)s",
     )
 
 
