@@ -361,6 +361,7 @@ def test_statfs_says_the_export_size(fs: BlockFile, replies: Replies) -> None:
     error, _, body = replies.last()
     blocks, _, _, files, _, bsize, namelen, frsize, _ = fp.KSTATFS.unpack(body)
     assert error == 0 and (blocks, bsize, frsize, files) == ((1 << 30) // 4096, 4096, 4096, 3)
+    assert namelen == 255
 
 
 def test_a_refused_reply_does_not_end_the_loop(fs: BlockFile) -> None:
