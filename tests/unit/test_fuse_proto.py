@@ -113,9 +113,7 @@ def header_values(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
         'printf("sizeof.fuse_attr_out %zu\\n", sizeof(struct fuse_attr_out));',
     ]
     lines += [f'printf("{n} %llu\\n", (unsigned long long)({n}));' for n in CONSTANTS]
-    lines += [
-        f'printf("offset.{s}.{f} %zu\\n", offsetof(struct {s}, {f}));' for s, f, _ in OFFSETS
-    ]
+    lines += [f'printf("offset.{s}.{f} %zu\\n", offsetof(struct {s}, {f}));' for s, f, _ in OFFSETS]
     source = (
         "#include <stddef.h>\n#include <stdio.h>\n#include <stdint.h>\n"
         "#include <linux/fuse.h>\n#include <sys/ioctl.h>\n"
