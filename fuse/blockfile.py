@@ -794,12 +794,11 @@ async def announce_refresh(
 
 async def follow_refreshes(filesystem: BlockFile, shared: SharedSize, index: int) -> None:
     """A refresh made by another process serving the mount: reconnect too, then ack."""
-    seen = shared.read()[0]
-    shared.ack(index, seen)
+    seen = -1  # a refresh announced while this process was connecting counts too
     while True:
-        await trio.sleep(SHARED_POLL)
         generation, size = shared.read()
         if generation == seen:
+            await trio.sleep(SHARED_POLL)
             continue
         seen = generation
         if size != filesystem.export.size:
@@ -1017,6 +1016,7 @@ def serve_worker(
         async def run() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follow_refreshes, filesystem, shared, index)
+                log.info("serving, %d connection(s)", len(export))
                 await _serve(filesystem, fd, None, stop)
                 nursery.cancel_scope.cancel()
 

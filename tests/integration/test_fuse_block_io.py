@@ -160,6 +160,13 @@ def _processes(pid: int, count: int, within: float = PROMPTLY) -> list[int]:
         time.sleep(0.1)
 
 
+def _logged(log_file: str, text: str, within: float = PROMPTLY) -> None:
+    deadline = time.monotonic() + within
+    while text not in Path(log_file).read_text():
+        assert time.monotonic() < deadline, f"{text!r} not logged within {within}s"
+        time.sleep(0.1)
+
+
 def _read_calls(pid: int) -> int:
     with open(f"/proc/{pid}/io") as f:
         return int(next(line for line in f if line.startswith("syscr:")).split()[1])
@@ -235,6 +242,7 @@ def test_a_refresh_reaches_every_process(
 ) -> None:
     attachment = stack.attach(server.uri("disk"), workers=2)
     _processes(attachment.pid, 2)
+    _logged(attachment.log_file, "worker 1 INFO serving")  # connected at the old size
     os.truncate(tmp_path / "disk.img", IMAGE_SIZE + 64 * MiB)
     assert refresh_size(attachment) == IMAGE_SIZE + 64 * MiB
     # past the old end, through whichever process takes each request
