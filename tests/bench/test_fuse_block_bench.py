@@ -4,10 +4,12 @@ the same export.
 Run with ``make bench`` (or this file alone, under the machine's heavy-work lock).  One
 sparse image (1 GiB, ``MOORAGE_BENCH_FUSE_IMAGE_MIB``) is served by ``moorage nbd
 serve`` on a loopback port and attached with :func:`fuse.blockdev.attach_fuse_block`
-(the FUSE block file with its default NBD connections, a loop device with direct I/O).
-Two clients drive the same export, one at a time:
+(the FUSE block file with its default NBD connections, a loop device with direct I/O),
+once for each count of FUSE processes in ``MOORAGE_BENCH_FUSE_WORKERS`` (``1,2``: the
+block file's ``--workers``), so those are compared in the same run.  The clients drive
+the same export, one at a time:
 
-- loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``;
+- loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``, one per attachment;
 - nbd: ``fio --ioengine=nbd --uri=nbd://...`` (one connection), the peer;
 
 each with ``--bs=4k --iodepth=32 --norandommap --time_based --runtime=10`` for
@@ -18,7 +20,7 @@ other (fio ``--verify=crc32c``, then ``--verify_only``), and the whole image is 
 once so that no timed run pays for block allocation.
 
 Besides the IOPS, the table shows the CPU time each process spent per I/O during the
-loop runs (the FUSE process, the NBD server; from /proc/PID/stat), which is where a
+loop runs (the FUSE processes, the NBD server; from /proc/PID/stat), which is where a
 4 KiB request's cost goes on a machine of few cores, and the settings in effect (the
 loop device's direct I/O, queue depth and read-ahead, the FUSE connection's background
 limits), so that a run records what it measured.
