@@ -1,4 +1,5 @@
-"""The life of a FUSE mount process, shared by the block file and the NFS mount.
+"""The life of a FUSE mount process, shared by the block file and the NFS mount
+(:func:`run_fuse_loop` is the NFS mount's pyfuse3 loop; the block file runs its own).
 
 Readiness: the process writes one line, ``ready`` or ``error: <reason>``, to
 a pipe (or stdout) once its mount is in place or has failed; the starter
