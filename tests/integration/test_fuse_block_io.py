@@ -34,6 +34,7 @@ import pytest
 from fuse.blockdev import attach_fuse_block, detach_fuse_block, refresh_size
 from fuse.loop import loop_status
 from fuse.nbdconnections import watch_period
+from hostio.mountinfo import read_mountinfo, topmost
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, NBDServerProcess, sparse_image
 from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, reads_again
@@ -99,6 +100,21 @@ def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
             assert buf[:] == back
     finally:
         os.close(fd)
+
+
+def test_the_mount_looks_as_it_did_under_libfuse(
+    server: NBDServerProcess, stack: BlockStack
+) -> None:
+    """mount(2) with libfuse's options: the source, type and options findmnt shows (and
+    the cleanup code matches) are what pyfuse3's mount gave."""
+    uri = server.uri("disk")
+    attachment = stack.attach(uri)
+    entry = topmost(read_mountinfo(), attachment.mountpoint)
+    assert entry is not None
+    assert entry.fstype == "fuse.moorage-nbd"
+    assert entry.source == f"moorage-nbd:{uri}"
+    assert {"nosuid", "nodev"} <= set(entry.mount_options)
+    assert set(entry.super_options) == {"rw", "user_id=0", "group_id=0", "default_permissions"}
 
 
 def test_a_server_that_stops_answering_fails_io_after_the_timeout(
