@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from fuse import cgroup
-from fuse.blockfile import DISK, FSTYPE, REFRESH
+from fuse.blockfile import DEFAULT_WORKERS, DISK, FSTYPE, REFRESH
 from fuse.loop import (
     LoopError,
     attach_loop,
@@ -97,6 +97,7 @@ class Attachment:
     pid_start: int = 0  # the process's start time (clock ticks after boot)
     connections: int = DEFAULT_CONNECTIONS
     io_timeout: float = DEFAULT_IO_TIMEOUT  # seconds I/O waits for a lost server
+    workers: int = DEFAULT_WORKERS  # processes serving the FUSE file
 
     @property
     def file(self) -> str:
@@ -154,6 +155,7 @@ def _attachment(data: dict[str, Any]) -> Attachment | None:
         pid_start=int(data.get("pid_start", 0)),
         connections=int(data.get("connections", DEFAULT_CONNECTIONS)),
         io_timeout=float(data.get("io_timeout") or DEFAULT_IO_TIMEOUT),
+        workers=int(data.get("workers") or DEFAULT_WORKERS),
     )
 
 
@@ -257,12 +259,18 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 
 def _start_blockfile(
-    uri: str, directory: Path, connections: int, timeout: float, ready_timeout: float
+    uri: str,
+    directory: Path,
+    connections: int,
+    timeout: float,
+    ready_timeout: float,
+    workers: int = DEFAULT_WORKERS,
 ) -> subprocess.Popen[bytes]:
     """``python -m fuse.blockfile`` on ``directory/mnt``, once it is ready."""
     mountpoint = directory / MOUNTPOINT
     argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
     argv += ["--connections", str(connections), "--timeout", str(timeout)]
+    argv += ["--workers", str(workers)]
     read_end, write_end = os.pipe()
     try:
         with (directory / LOG).open("ab") as log_file:
@@ -364,6 +372,7 @@ def attach_fuse_block(
     timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     ready_timeout: float = READY_TIMEOUT,
+    workers: int = DEFAULT_WORKERS,
 ) -> Attachment:
     """Attach the NBD export ``uri`` as a loop device through the FUSE block file.
 
@@ -371,12 +380,15 @@ def attach_fuse_block(
     ``timeout``: how long I/O waits for a server that went away before it
     fails with EIO (a definitive answer, such as the export being gone, fails
     it at once; see :mod:`fuse.nbdconnections`).  ``direct_io``: the loop device
-    bypasses the page cache of the file (see :mod:`fuse.loop`).
+    bypasses the page cache of the file (see :mod:`fuse.loop`).  ``workers``:
+    processes serving the FUSE file (see :mod:`fuse.blockfile`).
     """
     if not uri.startswith(_URI_SCHEMES) or any(c in uri for c in "\0\n"):
         raise ValueError(f"not an NBD URI: {uri!r}")
     if connections < 1:
         raise ValueError(f"connections must be at least 1, not {connections}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers}")
     key = _key(uri)
     with _locked(state_dir, key) as directory:
         data = _read_record(directory)
@@ -392,6 +404,7 @@ def attach_fuse_block(
             "mountpoint": os.fspath((directory / MOUNTPOINT).absolute()),
             "connections": connections,
             "io_timeout": timeout,
+            "workers": workers,
             "state": "attaching",
             "pid": None,
             "pid_start": None,
@@ -399,7 +412,7 @@ def attach_fuse_block(
         }
         _write_json(directory / RECORD, record)
         try:
-            proc = _start_blockfile(uri, directory, connections, timeout, ready_timeout)
+            proc = _start_blockfile(uri, directory, connections, timeout, ready_timeout, workers)
             record["pid"] = proc.pid
             record["pid_start"] = _start_time(proc.pid)
             _write_json(directory / RECORD, record)

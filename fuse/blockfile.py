@@ -1,35 +1,59 @@
 """One NBD export as one regular file, for a loop device on hosts without kernel NBD.
 
-:class:`BlockFile` is a pyfuse3 filesystem with two files: ``disk``, whose
-bytes are the export's (its size is the export's size), and ``refresh``, a
-control file: writing anything to it reconnects to the server and re-reads
-the export size (moorage's server and qemu-nbd read it at connect).  It runs
-in a process of its own (``python -m fuse.blockfile NBD_URI MOUNTPOINT``)
-that lives as long as the mount; :mod:`fuse.blockdev` puts a loop device on
-``disk``.
+A FUSE filesystem with two files: ``disk``, whose bytes are the export's (its
+size is the export's size), and ``refresh``, a control file: writing
+anything to it reconnects to the server and re-reads the export size
+(moorage's server and qemu-nbd read it at connect).  It runs in a process of
+its own (``python -m fuse.blockfile NBD_URI MOUNTPOINT``) that lives as long
+as the mount; :mod:`fuse.blockdev` puts a loop device on ``disk``.
 
 Requests reach the server through :class:`fuse.nbdconnections.ExportConnections`
 (multi-conn, many requests in flight, a hard mount over reconnects).
 
 Choices, and why:
 
-- **direct_io.** ``disk`` is opened with FUSE ``direct_io`` and the loop
-  device is attached with ``LO_FLAGS_DIRECT_IO``.  The filesystem on the
-  loop device caches already; with neither flag the FUSE file's page cache
-  holds every block a second time (measured: 512 MiB of it after writing and
-  reading 512 MiB through the loop device, 0 with either flag).  Either one
-  alone keeps the second copy out and the throughput of the combinations is
-  the same within noise, so both are set: the FUSE flag still holds when a
-  loop device is attached buffered (``losetup`` without ``--direct-io``),
-  and a size refresh never meets stale cached pages.
-- **No fallocate.** pyfuse3 3.5 does not dispatch FUSE_FALLOCATE (its
-  ``fuse_lowlevel_ops`` leaves it NULL, libfuse answers ENOSYS, and the
-  kernel then answers EOPNOTSUPP itself).  The loop device advertises
-  discard and write-zeroes all the same; they fail with EOPNOTSUPP (the
-  kernel logs it) until the loop driver, which clears a limit on that
-  error, stops advertising them; the block layer then writes zeroes itself
-  and ``mkfs`` goes without discard.
-  :meth:`BlockFile.fallocate` is written for a pyfuse3 that dispatches it.
+- **Our own request loop, not libfuse/pyfuse3.** A 4 KiB request through
+  pyfuse3 cost ~140 µs of CPU (a trio task wake-up per request, a task
+  switch per reply, libfuse's dispatch), so the process saturated a core at
+  ~6,000 IOPS (docs/performance.md, section 6).  The block file needs a
+  small part of the protocol (:mod:`fuse.fuseproto`), so it reads
+  ``/dev/fuse`` itself, non-blocking, every request there is on each
+  wake-up; a READ or WRITE goes to libnbd at once
+  (:meth:`nbd.aio.AioConnection.submit_pread`), and its reply is written to
+  ``/dev/fuse`` from libnbd's completion callback: no task and no event per
+  request.  What is rare (flush, fsync, fallocate, refresh, a request that
+  meets a lost connection) runs in a trio task through the awaitable
+  methods of the export, which reconnect, fail over and bound the wait, as
+  before.  Mounting is mount(2) with libfuse's options (:mod:`fuse.fusedev`).
+  The NFS mount (:mod:`fuse.nfsmount`) stays on pyfuse3.
+- **Our FUSE_INIT answer** sets ``max_background`` (:data:`BACKGROUND_LIMIT`
+  asynchronous requests in flight; the kernel's default is 12),
+  ``congestion_threshold``, ``max_pages`` (1 MiB requests) and asks for
+  asynchronous direct I/O (a loop device's requests are many in flight).
+- **direct_io.** ``disk`` is opened with ``FOPEN_DIRECT_IO`` and
+  ``FOPEN_PARALLEL_DIRECT_WRITES`` (writes do not wait for each other on the
+  inode lock), and the loop device is attached with ``LO_FLAGS_DIRECT_IO``.
+  The filesystem on the loop device caches already; with neither flag the
+  FUSE file's page cache holds every block a second time.  Either one alone
+  keeps the second copy out, so both are set: the FUSE flag still holds
+  when a loop device is attached buffered, and a size refresh never meets
+  stale cached pages.
+- **fallocate.** FUSE_FALLOCATE is served: ``PUNCH_HOLE|KEEP_SIZE`` (what a
+  loop device sends for discard) and ``ZERO_RANGE`` become NBD
+  WRITE_ZEROES (a punched hole must read back as zeroes, which NBD TRIM
+  does not promise), plain allocation inside the export succeeds, anything
+  that would change the size is EOPNOTSUPP.
+- **More than one process.** The GIL bounds one process to one core.  With
+  ``--workers N`` the mounting process starts N-1 more after FUSE_INIT, each
+  with its own descriptor for the same connection (``FUSE_DEV_IOC_CLONE``)
+  and its own NBD connections; the kernel gives each request to whichever
+  reads first.  Multi-conn makes a FLUSH on any connection cover writes
+  completed on all.  A refresh in one process is announced to the others
+  through a shared page (:class:`SharedSize`) and waits, bounded, until they
+  have reconnected too.  A worker that dies is replaced; the requests it
+  had taken fail (the kernel ends them with ECONNABORTED when its
+  descriptor closes), none hangs.  A worker ends with its parent
+  (``PR_SET_PDEATHSIG``).
 - **Reclaim.** ``PR_SET_IO_FLUSHER`` (Linux >= 5.6, needs CAP_SYS_RESOURCE)
   keeps this process's allocations from waiting for writeback of the very
   device it serves.  Where it is refused the process logs it and runs.
@@ -43,32 +67,35 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import functools
+import io
 import logging
+import mmap
 import os
 import re
+import signal
 import stat
+import struct
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Final, TypeVar, cast
+from typing import Final, TypeVar
 
-import pyfuse3
 import trio
 
+from fuse import fusedev
+from fuse import fuseproto as fp
 from fuse.nbdconnections import (
+    CONNECT_TIMEOUT,
     DEFAULT_CONNECTIONS,
     DEFAULT_IO_TIMEOUT,
     MAX_IO_TIMEOUT,
     ExportConnections,
     ExportUnavailable,
 )
-from fuse.process import (
-    EarlyStop,
-    ReadySignal,
-    configure_logging,
-    raise_background_limit,
-    run_fuse_loop,
-)
+from fuse.process import ABANDON_AFTER, EarlyStop, ReadySignal, configure_logging
+from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -80,27 +107,89 @@ DISK_INODE: Final = 2
 REFRESH_INODE: Final = 3
 # Asynchronous FUSE requests the kernel keeps in flight (its default: 12).  A
 # loop device with direct I/O queues many; each waits for a round trip.
-BACKGROUND_LIMIT: Final = 32
-# Request tasks kept ready (see fuse.process.run_fuse_loop): the background
-# requests plus a few synchronous ones (flush, getattr) at once.
-REQUEST_TASKS: Final = BACKGROUND_LIMIT + 8
+BACKGROUND_LIMIT: Final = 64
+MAX_PAGES: Final = 256  # 1 MiB requests
+MAX_WRITE: Final = MAX_PAGES * 4096
+READ_BUFFER: Final = MAX_WRITE + 4096  # a WRITE request: its header and its data
+INIT_FLAGS: Final = fp.ASYNC_READ | fp.BIG_WRITES | fp.ASYNC_DIO | fp.MAX_PAGES
 ATTR_TIMEOUT: Final = 1.0
 FINAL_FLUSH_TIMEOUT: Final = 30.0
 ZERO_CHUNK: Final = 1 << 30  # NBD lengths are 32 bits
+PR_SET_PDEATHSIG: Final = 1
 PR_SET_IO_FLUSHER: Final = 57
 FALLOC_FL_KEEP_SIZE: Final = 0x01
 FALLOC_FL_PUNCH_HOLE: Final = 0x02
 FALLOC_FL_ZERO_RANGE: Final = 0x10
+DEFAULT_WORKERS: Final = 1
+MAX_WORKERS: Final = 16
+WORKER_READY_TIMEOUT: Final = 30.0
+WORKER_STOP_TIMEOUT: Final = ABANDON_AFTER + 4.0  # a worker's own graceful stop, and some
+WORKER_RESTART_MAX: Final = 5.0  # seconds between restarts of a worker that keeps dying
+# a refresh waits this long for the other workers to reconnect
+REFRESH_WAIT: Final = CONNECT_TIMEOUT + 5.0
+SHARED_POLL: Final = 0.05  # seconds between a worker's looks at the shared page
+FH_INODE_BITS: Final = 4  # a file handle: a serial number, then the inode
+FH_INODE_MASK: Final = (1 << FH_INODE_BITS) - 1
 _ENTRIES: Final = {DISK.encode(): DISK_INODE, REFRESH.encode(): REFRESH_INODE}
 
 T = TypeVar("T")
 
 
+class FuseError(Exception):
+    """A request's answer: this errno."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(os.strerror(code))
+        self.errno = code
+
+
+# ------------------------------------------------------------------ shared between workers
+
+
+class SharedSize:
+    """A page shared by the processes that serve one mount: the generation of the last
+    refresh, the export size it found, and what generation each worker has reached.
+
+    Layout: ``u64 generation, u64 size, u64 acked[MAX_WORKERS]``."""
+
+    _HEAD: Final = struct.Struct("=QQ")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, mmap.PAGESIZE)
+
+    @classmethod
+    def create(cls, size: int) -> SharedSize:
+        fd = os.memfd_create("moorage-blockfile", 0)  # inheritable: for the workers
+        os.ftruncate(fd, mmap.PAGESIZE)
+        shared = cls(fd)
+        shared.publish(0, size)
+        return shared
+
+    def read(self) -> tuple[int, int]:
+        generation, size = self._HEAD.unpack_from(self._map, 0)
+        return int(generation), int(size)
+
+    def publish(self, generation: int, size: int) -> None:
+        self._HEAD.pack_into(self._map, 0, generation, size)
+
+    def ack(self, index: int, generation: int) -> None:
+        struct.pack_into("=Q", self._map, 16 + 8 * index, generation)
+
+    def acked(self, index: int) -> int:
+        return int(struct.unpack_from("=Q", self._map, 16 + 8 * index)[0])
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
 # ------------------------------------------------------------------ the filesystem
 
 
-class BlockFile(pyfuse3.Operations):
-    """``disk`` (the export) and ``refresh`` (write to re-read its size)."""
+class BlockFile:
+    """``disk`` (the export) and ``refresh`` (write to re-read its size), served on one
+    ``/dev/fuse`` descriptor (see the module docstring)."""
 
     def __init__(
         self,
@@ -108,215 +197,445 @@ class BlockFile(pyfuse3.Operations):
         *,
         direct_io: bool = True,
         attr_timeout: float = ATTR_TIMEOUT,
+        write: Callable[[bytes | bytearray], object] | None = None,
     ) -> None:
-        super().__init__()
         self.export = export
         self.direct_io = direct_io
         self.attr_timeout = attr_timeout
         self.uid, self.gid = os.geteuid(), os.getegid()
         self.mounted_ns = time.time_ns()  # constant times: a changed mtime drops caches
+        self.fd = -1
+        self._write = write if write is not None else self._write_fd
         self._files: dict[int, int] = {}  # fh -> inode
         self._next_fh = 1
         self._written = 0  # writes completed
         self._flushed = 0  # writes completed before the last FLUSH was sent
+        self.initialized = False
+        self.busy = 0  # requests taken and not answered yet
+        self._idle: trio.Event | None = None
+        self._later: Callable[[Callable[[], Awaitable[None]]], None] | None = None
+        # set where more than one process serves the mount
+        self.shared: SharedSize | None = None
+        self.on_init: Callable[[], None] | None = None
+        self.after_refresh: Callable[[int], Awaitable[None]] | None = None
+        self._handlers: dict[int, Callable[[fp.Header, memoryview], None]] = {
+            fp.INIT: self._init,
+            fp.LOOKUP: self._lookup,
+            fp.GETATTR: self._getattr,
+            fp.SETATTR: self._setattr,
+            fp.OPEN: self._open,
+            fp.READ: self._read,
+            fp.WRITE: self._write_request,
+            fp.FLUSH: self._flush_request,
+            fp.FSYNC: self._fsync_request,
+            fp.RELEASE: self._release,
+            fp.STATFS: self._statfs,
+            fp.OPENDIR: self._opendir,
+            fp.READDIR: self._readdir,
+            fp.RELEASEDIR: self._empty,
+            fp.FSYNCDIR: self._empty,
+            fp.FALLOCATE: self._fallocate_request,
+            fp.DESTROY: self._empty,
+            fp.FORGET: self._nothing,
+            fp.BATCH_FORGET: self._nothing,
+            fp.INTERRUPT: self._nothing,  # requests are answered soon anyway
+        }
+
+    @property
+    def open_files(self) -> int:
+        """Files opened through this process and not released through it."""
+        return len(self._files)
 
     # -------------------------------------------------------------- plumbing
+
+    def _write_fd(self, data: bytes | bytearray) -> object:
+        return os.write(self.fd, data)
+
+    def _answer(self, data: bytes | bytearray) -> None:
+        """Write one reply; the request it answers is done."""
+        self.busy -= 1
+        if self.busy == 0 and self._idle is not None:
+            self._idle.set()
+        try:
+            self._write(data)
+        except OSError as e:
+            # ENOENT: the request was interrupted or aborted; ENODEV: unmounted
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("a FUSE reply was refused: %s", e)
+
+    def _fail(self, unique: int, code: int) -> None:
+        self._answer(fp.error_reply(unique, code))
+
+    def _spawn(self, unique: int, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` (which answers ``unique``) in a task of its own."""
+        if self._later is None:
+            self._fail(unique, errno.EIO)  # not serving (a unit test without a loop)
+            return
+
+        async def run() -> None:
+            try:
+                await work()
+            except FuseError as e:
+                self._fail(unique, e.errno)
+            except Exception:
+                log.exception("unexpected error in a FUSE request")
+                self._fail(unique, errno.EIO)
+
+        self._later(run)
 
     async def _call(self, request: Awaitable[T]) -> T:
         try:
             return await request
         except ExportUnavailable as e:
             log.error("%s", e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise FuseError(errno.EIO) from None
         except NBDError as e:
             log.warning("%s", e)
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise FuseError(e.errno or errno.EIO) from None
+        except FuseError:
+            raise
         except Exception:
-            # anything but FUSEError would end pyfuse3's loop, and the mount with it
             log.exception("unexpected error in an NBD call")
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    def _attributes(self, inode: int) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        if inode == pyfuse3.ROOT_INODE:
-            attr.st_mode = stat.S_IFDIR | 0o755
-            attr.st_nlink = 2
-        elif inode == DISK_INODE:
-            attr.st_mode = stat.S_IFREG | (0o400 if self.export.read_only else 0o600)
-            attr.st_nlink = 1
-            attr.st_size = self.export.size
-            attr.st_blocks = (self.export.size + 511) // 512
-        elif inode == REFRESH_INODE:
-            attr.st_mode = stat.S_IFREG | 0o200
-            attr.st_nlink = 1
-        else:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        attr.st_ino = inode
-        attr.generation = 0
-        attr.entry_timeout = self.attr_timeout
-        attr.attr_timeout = self.attr_timeout
-        attr.st_uid = self.uid
-        attr.st_gid = self.gid
-        attr.st_blksize = 4096
-        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = self.mounted_ns
-        return attr
+            raise FuseError(errno.EIO) from None
 
     @property
-    def open_files(self) -> int:
-        return len(self._files)
+    def size(self) -> int:
+        return self.export.size
+
+    def _attributes(self, inode: int) -> fp.Attr:
+        if inode == fp.ROOT_ID:
+            return fp.Attr(inode, 0, stat.S_IFDIR | 0o755, 2, self.uid, self.gid, self.mounted_ns)
+        if inode == DISK_INODE:
+            mode = stat.S_IFREG | (0o400 if self.export.read_only else 0o600)
+            return fp.Attr(inode, self.size, mode, 1, self.uid, self.gid, self.mounted_ns)
+        if inode == REFRESH_INODE:
+            return fp.Attr(inode, 0, stat.S_IFREG | 0o200, 1, self.uid, self.gid, self.mounted_ns)
+        raise FuseError(errno.ENOENT)
 
     def _inode(self, fh: int) -> int:
-        inode = self._files.get(fh)
-        if inode is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
+        """The inode a file handle was opened on: the handle carries it, so any process
+        serving the mount knows it, whichever answered the OPEN."""
+        inode = fh & FH_INODE_MASK
+        if fh <= FH_INODE_MASK or inode not in (DISK_INODE, REFRESH_INODE):
+            raise FuseError(errno.EBADF)
         return inode
+
+    # -------------------------------------------------------------- dispatch
+
+    def handle(self, buf: bytes | bytearray | memoryview, count: int) -> None:
+        """One request of ``count`` bytes at the start of ``buf``: answered now, or later
+        by a completion callback or a task.  Never raises: a request that cannot be
+        taken gets an error reply (one without a whole header cannot be answered)."""
+        view = memoryview(buf)[:count]
+        try:
+            header = fp.parse_header(view, count)
+        except fp.Malformed as e:
+            log.warning("malformed FUSE request: %s", e)
+            if count >= fp.IN_HEADER.size:
+                unique = fp.IN_HEADER.unpack_from(view)[2]
+                self.busy += 1
+                self._fail(unique, e.errno)
+            return
+        opcode = header.opcode
+        replies = opcode not in fp.NO_REPLY
+        if replies:
+            self.busy += 1
+        handler = self._handlers.get(opcode)
+        try:
+            if handler is None:
+                raise FuseError(errno.ENOSYS)
+            if not self.initialized and opcode != fp.INIT:
+                raise FuseError(errno.EIO)
+            handler(header, view[fp.IN_HEADER.size :])
+        except FuseError as e:
+            if replies:
+                self._fail(header.unique, e.errno)
+        except fp.Malformed as e:
+            log.warning("malformed FUSE request: %s", e)
+            if replies:
+                self._fail(header.unique, e.errno)
+        except Exception:
+            log.exception("unexpected error in FUSE request %d (opcode %d)", header.unique, opcode)
+            if replies:
+                self._fail(header.unique, errno.EIO)
+
+    def _nothing(self, header: fp.Header, body: memoryview) -> None:
+        pass
+
+    def _empty(self, header: fp.Header, body: memoryview) -> None:
+        self._answer(fp.reply(header.unique))
 
     # -------------------------------------------------------------- names
 
-    async def lookup(
-        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        if parent_inode != pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        if name in (b".", b".."):
-            return self._attributes(pyfuse3.ROOT_INODE)
-        inode = _ENTRIES.get(name)
+    def _init(self, header: fp.Header, body: memoryview) -> None:
+        major, minor, max_readahead, flags = fp.INIT_IN.unpack_from(body)
+        if major < fp.KERNEL_VERSION:
+            raise FuseError(errno.EPROTO)
+        if self.initialized:
+            raise FuseError(errno.EIO)
+        self.initialized = True
+        out = fp.init_out(
+            minor,
+            flags,
+            max_readahead,
+            wanted=INIT_FLAGS,
+            max_background=BACKGROUND_LIMIT,
+            congestion_threshold=BACKGROUND_LIMIT * 3 // 4,
+            max_write=MAX_WRITE,
+            max_pages=MAX_PAGES,
+        )
+        self._answer(fp.reply(header.unique, out))
+        log.debug("FUSE %d.%d, flags %#x", major, minor, flags)
+        if self.on_init is not None:
+            self.on_init()
+
+    def _lookup(self, header: fp.Header, body: memoryview) -> None:
+        name = fp.name_of(body)
+        if header.nodeid != fp.ROOT_ID:
+            raise FuseError(errno.ENOTDIR)
+        inode = fp.ROOT_ID if name in (b".", b"..") else _ENTRIES.get(name)
         if inode is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attributes(inode)
+            raise FuseError(errno.ENOENT)
+        out = fp.entry_out(self._attributes(inode), self.attr_timeout)
+        self._answer(fp.reply(header.unique, out))
 
-    async def getattr(
-        self, inode: int, ctx: pyfuse3.RequestContext | None = None
-    ) -> pyfuse3.EntryAttributes:
-        return self._attributes(inode)
+    def _getattr(self, header: fp.Header, body: memoryview) -> None:
+        out = fp.attr_out(self._attributes(header.nodeid), self.attr_timeout)
+        self._answer(fp.reply(header.unique, out))
 
-    async def setattr(
-        self,
-        inode: int,
-        attr: pyfuse3.EntryAttributes,
-        fields: pyfuse3.SetattrFields,
-        fh: int | None,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
-        current = self._attributes(inode)
-        if fields.update_size and attr.st_size != current.st_size and inode != REFRESH_INODE:
-            raise pyfuse3.FUSEError(errno.EPERM)  # the size is the export's
-        if fields.update_mode or fields.update_uid or fields.update_gid:
-            raise pyfuse3.FUSEError(errno.EPERM)
-        return current  # times: accepted, not kept
+    def _setattr(self, header: fp.Header, body: memoryview) -> None:
+        valid, _, _, size = fp.SETATTR_IN.unpack_from(body)[:4]
+        current = self._attributes(header.nodeid)
+        if valid & fp.FATTR_SIZE and size != current.size and header.nodeid != REFRESH_INODE:
+            raise FuseError(errno.EPERM)  # the size is the export's
+        if valid & (fp.FATTR_MODE | fp.FATTR_UID | fp.FATTR_GID):
+            raise FuseError(errno.EPERM)
+        # times: accepted, not kept
+        self._answer(fp.reply(header.unique, fp.attr_out(current, self.attr_timeout)))
 
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if inode != pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+    def _opendir(self, header: fp.Header, body: memoryview) -> None:
+        if header.nodeid != fp.ROOT_ID:
+            raise FuseError(errno.ENOTDIR)
+        self._answer(fp.reply(header.unique, fp.OPEN_OUT.pack(0, 0, 0)))
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    def _readdir(self, header: fp.Header, body: memoryview) -> None:
+        _, offset, size = fp.READ_IN.unpack_from(body)[:3]
+        out = bytearray()
         entries = list(_ENTRIES.items())
-        for index in range(start_id, len(entries)):
+        for index in range(offset, len(entries)):
             name, inode = entries[index]
-            if not pyfuse3.readdir_reply(token, name, self._attributes(inode), index + 1):
+            record = fp.dirent(inode, index + 1, name, fp.DT_REG)
+            if len(out) + len(record) > size:
                 break
+            out += record
+        self._answer(fp.reply(header.unique, out))
 
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        data = pyfuse3.StatvfsData()
-        data.f_bsize = data.f_frsize = 4096
-        data.f_blocks = (self.export.size + 4095) // 4096
-        data.f_bfree = data.f_bavail = 0
-        data.f_files = len(_ENTRIES) + 1
-        data.f_ffree = data.f_favail = 0
-        data.f_namemax = 255
-        return data
+    def _statfs(self, header: fp.Header, body: memoryview) -> None:
+        out = fp.statfs_out((self.size + 4095) // 4096, len(_ENTRIES) + 1)
+        self._answer(fp.reply(header.unique, out))
 
     # -------------------------------------------------------------- files
 
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    def _open(self, header: fp.Header, body: memoryview) -> None:
+        flags = fp.OPEN_IN.unpack_from(body)[0]
         writing = flags & os.O_ACCMODE != os.O_RDONLY
-        if inode == pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+        inode = header.nodeid
+        if inode == fp.ROOT_ID:
+            raise FuseError(errno.EISDIR)
         if inode == DISK_INODE and writing and self.export.read_only:
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise FuseError(errno.EROFS)
         if inode == REFRESH_INODE and not writing:
-            raise pyfuse3.FUSEError(errno.EACCES)
+            raise FuseError(errno.EACCES)
         self._attributes(inode)  # ENOENT for anything else
-        fh = self._next_fh
+        fh = self._next_fh << FH_INODE_BITS | inode
         self._next_fh += 1
         self._files[fh] = inode
-        direct = self.direct_io or inode == REFRESH_INODE
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
+        if self.direct_io or inode == REFRESH_INODE:
+            open_flags = fp.FOPEN_DIRECT_IO | fp.FOPEN_PARALLEL_DIRECT_WRITES
+        else:
+            open_flags = fp.FOPEN_KEEP_CACHE
+        self._answer(fp.reply(header.unique, fp.OPEN_OUT.pack(fh, open_flags, 0)))
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    def _release(self, header: fp.Header, body: memoryview) -> None:
+        fh = fp.RELEASE_IN.unpack_from(body)[0]
+        self._files.pop(fh, None)
+        self._answer(fp.reply(header.unique))
+
+    def _read(self, header: fp.Header, body: memoryview) -> None:
+        fh, offset, size = fp.READ_IN.unpack_from(body)[:3]
         if self._inode(fh) != DISK_INODE:
-            raise pyfuse3.FUSEError(errno.EBADF)
-        count = max(0, min(size, self.export.size - off))
+            raise FuseError(errno.EBADF)
+        unique = header.unique
+        count = max(0, min(size, self.size - offset))
         if count == 0:
-            return b""
-        buffer = bytearray(count)
-        await self._call(self.export.pread_into(buffer, off))
-        return cast(bytes, buffer)  # pyfuse3 replies from any buffer: no copy
+            self._answer(fp.reply(unique))
+            return
+        # the reply's header and data in one buffer: one write(2) answers it
+        out = bytearray(fp.OUT_HEADER.size + count)
+        fp.OUT_HEADER.pack_into(out, 0, len(out), 0, unique)
+        conn = self.export.ready_connection()
+        if conn is not None:
+            target = (ctypes.c_char * count).from_buffer(out, fp.OUT_HEADER.size)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+            def done(error: int) -> None:
+                if error == 0:
+                    self._answer(out)
+                else:
+                    self._failed(unique, conn, error, "read", lambda c: c.pread_into(data, offset))
+
+            data = memoryview(out)[fp.OUT_HEADER.size :]
+            try:
+                conn.submit_pread(target, count, offset, done)
+            except NBDError as e:
+                done(e.errno or errno.EIO)
+            return
+        view = memoryview(out)[fp.OUT_HEADER.size :]
+
+        async def slowly() -> None:
+            await self._call(self.export.pread_into(view, offset))
+            self._answer(out)
+
+        self._spawn(unique, slowly)
+
+    def _failed(
+        self,
+        unique: int,
+        conn: AioConnection,
+        error: int,
+        what: str,
+        again: Callable[[AioConnection], Awaitable[None]],
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """A request sent without a task failed: the server's answer is passed on, a
+        lost connection sends it again in a task (reconnects, failover, the bound)."""
+        if self.export.answer_of(conn, error):
+            log.warning("%s: %s", what, os.strerror(error))
+            self._fail(unique, error)
+            return
+
+        async def again_() -> None:
+            await self._call(self.export.resubmit(conn, error, again))
+            if then is not None:
+                then()
+
+        self._spawn(unique, again_)
+
+    def _write_request(self, header: fp.Header, body: memoryview) -> None:
+        fh, offset, size = fp.WRITE_IN.unpack_from(body)[:3]
+        payload = body[fp.WRITE_IN.size :]
+        if len(payload) != size:
+            raise fp.Malformed(f"WRITE of {size} bytes carries {len(payload)}")
         inode = self._inode(fh)
+        unique = header.unique
         if inode == REFRESH_INODE:
-            await self.refresh()
-            return len(buf)
-        size = self.export.size
-        if off >= size and buf:
-            raise pyfuse3.FUSEError(errno.ENOSPC)
-        data = buf if off + len(buf) <= size else memoryview(buf)[: size - off]
-        await self._call(self.export.pwrite(data, off))
-        self._written += 1
-        return len(data)
+
+            async def refresh() -> None:
+                await self.refresh()
+                self._answer(fp.reply(unique, fp.WRITE_OUT.pack(size, 0)))
+
+            self._spawn(unique, refresh)
+            return
+        if inode != DISK_INODE:
+            raise FuseError(errno.EBADF)
+        export_size = self.size
+        if offset >= export_size and size:
+            raise FuseError(errno.ENOSPC)
+        count = min(size, export_size - offset)
+        data = bytes(payload[:count])  # the read buffer is reused for the next request
+        answer = fp.reply(unique, fp.WRITE_OUT.pack(count, 0))
+
+        def written() -> None:
+            self._written += 1
+            self._answer(answer)
+
+        conn = self.export.ready_connection()
+        if conn is not None:
+
+            def done(error: int) -> None:
+                if error == 0:
+                    written()
+                else:
+                    self._failed(
+                        unique, conn, error, "write", lambda c: c.pwrite(data, offset), written
+                    )
+
+            try:
+                conn.submit_pwrite(data, offset, done)
+            except NBDError as e:
+                done(e.errno or errno.EIO)
+            return
+
+        async def slowly() -> None:
+            await self._call(self.export.pwrite(data, offset))
+            written()
+
+        self._spawn(unique, slowly)
+
+    def _flush_request(self, header: fp.Header, body: memoryview) -> None:
+        # close() of a file that was written: make it durable
+        self._sync_request(header, fp.FLUSH_IN.unpack_from(body)[0])
+
+    def _fsync_request(self, header: fp.Header, body: memoryview) -> None:
+        self._sync_request(header, fp.FSYNC_IN.unpack_from(body)[0])
+
+    def _sync_request(self, header: fp.Header, fh: int) -> None:
+        unique = header.unique
+        if self._inode(fh) != DISK_INODE or self._flushed >= self._written:
+            self._answer(fp.reply(unique))
+            return
+
+        async def sync() -> None:
+            await self.sync()
+            self._answer(fp.reply(unique))
+
+        self._spawn(unique, sync)
 
     async def sync(self) -> None:
         """NBD FLUSH, unless every completed write is covered by one already."""
         covers = self._written
         if self._flushed >= covers:
             return
-        await self._flush()
-        self._flushed = max(self._flushed, covers)
-
-    async def _flush(self) -> None:
         try:
             await self.export.flush()
         except ExportUnavailable as e:
             log.error("%s", e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise FuseError(errno.EIO) from None
         except NBDError as e:
             log.warning("flush: %s", e)
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise FuseError(e.errno or errno.EIO) from None
+        self._flushed = max(self._flushed, covers)
 
-    async def flush(self, fh: int) -> None:
-        if self._inode(fh) == DISK_INODE:
-            await self.sync()  # close() of a file that was written: make it durable
+    def _fallocate_request(self, header: fp.Header, body: memoryview) -> None:
+        fh, offset, length, mode = fp.FALLOCATE_IN.unpack_from(body)[:4]
+        unique = header.unique
 
-    async def fsync(self, fh: int, datasync: bool) -> None:
-        if self._inode(fh) == DISK_INODE:
-            await self.sync()
+        async def fallocate() -> None:
+            await self.fallocate(fh, mode, offset, length)
+            self._answer(fp.reply(unique))
 
-    async def release(self, fh: int) -> None:
-        self._files.pop(fh, None)
+        self._spawn(unique, fallocate)
 
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
-        """PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE as NBD WRITE_ZEROES (not dispatched by pyfuse3
-        3.5).  A punched hole must read back as zeroes, which NBD TRIM does not promise, so
-        it is a WRITE_ZEROES the server may trim for; ZERO_RANGE keeps it allocated."""
+        """PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE as NBD WRITE_ZEROES.  A punched hole must
+        read back as zeroes, which NBD TRIM does not promise, so it is a WRITE_ZEROES the
+        server may trim for; ZERO_RANGE keeps it allocated."""
         if self._inode(fh) != DISK_INODE:
-            raise pyfuse3.FUSEError(errno.EBADF)
-        size = self.export.size
+            raise FuseError(errno.EBADF)
+        size = self.size
         if mode & FALLOC_FL_PUNCH_HOLE:
             if not mode & FALLOC_FL_KEEP_SIZE:
-                raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+                raise FuseError(errno.EOPNOTSUPP)
             flags = 0
         elif mode & FALLOC_FL_ZERO_RANGE:
             flags = CmdFlag.NO_HOLE
         elif mode & ~FALLOC_FL_KEEP_SIZE == 0 and offset + length <= size:
             return  # plain allocation inside the export: the server's business
         else:
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+            raise FuseError(errno.EOPNOTSUPP)
         if self.export.read_only:
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise FuseError(errno.EROFS)
         if not self.export.can_zero:
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+            raise FuseError(errno.EOPNOTSUPP)
         end = min(offset + length, size)
         while offset < end:
             count = min(end - offset, ZERO_CHUNK)
@@ -330,11 +649,165 @@ class BlockFile(pyfuse3.Operations):
             size = await self.export.refresh()
         except ExportUnavailable as e:
             log.error("refresh: %s", e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        with contextlib.suppress(OSError):  # ENOENT: the kernel never looked it up
-            pyfuse3.invalidate_inode(DISK_INODE, attr_only=True)
+            raise FuseError(errno.EIO) from None
+        if self.after_refresh is not None:
+            await self.after_refresh(size)
+        self.invalidate_size()
         log.info("refreshed: export size %d", size)
         return size
+
+    def invalidate_size(self) -> None:
+        with contextlib.suppress(OSError):  # ENOENT: the kernel never looked it up
+            self._write(fp.notify_inval_inode(DISK_INODE))
+
+    # -------------------------------------------------------------- the loop
+
+    async def run(self, fd: int, later: Callable[[Callable[[], Awaitable[None]]], None]) -> None:
+        """Serve ``fd`` until the mount goes away (or this is cancelled)."""
+        self.fd = fd
+        self._later = later
+        device = io.FileIO(fd, "rb", closefd=False)
+        buf = bytearray(READ_BUFFER)
+        handle = self.handle
+        readinto = device.readinto
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            while True:
+                try:
+                    count = readinto(buf)
+                except OSError as e:
+                    if e.errno == errno.ENODEV:
+                        log.info("unmounted")
+                        return
+                    if e.errno in (errno.ENOENT, errno.EINTR):
+                        continue  # a request interrupted before it was read
+                    raise
+                if count is None:
+                    break  # EAGAIN: until the next wake-up
+                handle(buf, count)
+
+    async def wait_idle(self) -> None:
+        """Until every request taken has been answered."""
+        while self.busy > 0:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+
+# ------------------------------------------------------------------ workers
+
+
+class Workers:
+    """The other processes serving the mount (``--workers``), started once FUSE_INIT is
+    answered, replaced when they die, stopped with the mount."""
+
+    def __init__(self, argv: list[str], fd: int, count: int, shared: SharedSize) -> None:
+        self._argv = argv  # the worker's command line, without the descriptor options
+        self._fd = fd
+        self.count = count
+        self.shared = shared
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def start(self, index: int) -> subprocess.Popen[bytes]:
+        clone = fusedev.clone(self._fd)
+        try:
+            argv = [*self._argv, "--worker", f"{index},{clone},{self.shared.fd},{os.getpid()}"]
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=(clone, self.shared.fd),
+                stdin=subprocess.DEVNULL,
+                cwd="/",
+            )
+        finally:
+            os.close(clone)  # the worker holds it now
+        self.procs[index] = proc
+        log.info("worker %d started (pid %d)", index, proc.pid)
+        return proc
+
+    async def watch(self, index: int) -> None:
+        """Keep worker ``index`` running until the mount stops."""
+        last_start = 0.0
+        while not self.stopping:
+            proc = self.procs.get(index)
+            if proc is None or proc.poll() is not None:
+                pause = WORKER_RESTART_MAX - (trio.current_time() - last_start)
+                if last_start and pause > 0:
+                    await trio.sleep(pause)
+                if self.stopping:
+                    return
+                last_start = trio.current_time()
+                try:
+                    proc = self.start(index)
+                except OSError as e:
+                    log.error("worker %d could not start: %s", index, e)
+                    continue
+            await trio.sleep(0.2)  # bounded by its poll: a dead worker is seen promptly
+            if proc.poll() is not None and not self.stopping:
+                log.warning(
+                    "worker %d (pid %d) exited with %s: the requests it had taken failed; "
+                    "starting another",
+                    index,
+                    proc.pid,
+                    proc.returncode,
+                )
+
+    def alive(self, index: int) -> bool:
+        proc = self.procs.get(index)
+        return proc is not None and proc.poll() is None
+
+    def stop(self) -> None:
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+
+    def reap(self, timeout: float) -> None:
+        """Wait for the workers to end (SIGKILL after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        for index, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d (pid %d) did not stop: killed", index, proc.pid)
+                proc.kill()
+                proc.wait()
+
+
+async def announce_refresh(
+    shared: SharedSize, index: int, count: int, size: int, alive: Callable[[int], bool]
+) -> None:
+    """Process ``index`` found the export's new ``size``: tell the others, and wait
+    (at most :data:`REFRESH_WAIT` seconds) until each has reconnected too, so that no
+    request past the old size reaches one that still has it."""
+    generation = shared.read()[0] + 1
+    shared.publish(generation, size)
+    shared.ack(index, generation)
+    deadline = trio.current_time() + REFRESH_WAIT
+    for other in range(count):
+        while other != index and shared.acked(other) < generation and alive(other):
+            if trio.current_time() > deadline:
+                log.warning("process %d did not reconnect within %.0fs", other, REFRESH_WAIT)
+                return
+            await trio.sleep(SHARED_POLL / 2)
+
+
+async def follow_refreshes(filesystem: BlockFile, shared: SharedSize, index: int) -> None:
+    """A refresh made by another process serving the mount: reconnect too, then ack."""
+    seen = -1  # a refresh announced while this process was connecting counts too
+    while True:
+        generation, size = shared.read()
+        if generation == seen:
+            await trio.sleep(SHARED_POLL)
+            continue
+        seen = generation
+        if size != filesystem.export.size:
+            try:
+                await filesystem.export.refresh()
+            except ExportUnavailable as e:
+                log.error("refresh: %s", e)
+            filesystem.invalidate_size()
+        shared.ack(index, generation)
 
 
 # ------------------------------------------------------------------ running a mount
@@ -342,11 +815,7 @@ class BlockFile(pyfuse3.Operations):
 
 def set_io_flusher() -> bool:
     """``PR_SET_IO_FLUSHER`` for this process (before it starts threads: they inherit it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    prctl = libc.prctl
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    if prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) == 0:
+    if _prctl(PR_SET_IO_FLUSHER, 1) == 0:
         return True
     code = ctypes.get_errno()
     log.warning(
@@ -357,33 +826,93 @@ def set_io_flusher() -> bool:
     return False
 
 
-def mount_options(uri: str) -> set[str]:
+def _prctl(option: int, value: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return int(prctl(option, value, 0, 0, 0))
+
+
+def fsname(uri: str) -> str:
     # fsname is a mount option: no commas or blanks; the query (TLS files) is left out
     shown = re.sub(r"[^A-Za-z0-9._:/@+\[\]-]", "_", uri.split("?", 1)[0])
-    return {f"fsname={FSTYPE}:{shown}", f"subtype={FSTYPE}", "default_permissions"}
+    return f"{FSTYPE}:{shown}"
 
 
-async def _serve(filesystem: BlockFile, ready: Callable[[], None] | None, early: EarlyStop) -> None:
-    def terminating() -> None:
-        if filesystem.open_files:
-            log.warning("%d open file(s) lose the disk", filesystem.open_files)
-        # requests waiting for a lost server fail now, those in flight within seconds
-        filesystem.export.stop("the FUSE process is stopping")
+def mount_options(uri: str) -> set[str]:
+    """The options a mount shows (as pyfuse3 was given them)."""
+    return {f"fsname={fsname(uri)}", f"subtype={FSTYPE}", "default_permissions"}
 
-    async def final_flush() -> None:
+
+async def _serve(
+    filesystem: BlockFile,
+    fd: int,
+    ready: Callable[[], None] | None,
+    early: EarlyStop,
+    *,
+    workers: Workers | None = None,
+    abandon_after: float = ABANDON_AFTER,
+) -> None:
+    """Serve ``fd`` until unmounted or told to stop (SIGTERM/SIGINT: requests under way
+    are answered, for at most ``abandon_after`` seconds; a second signal: at once)."""
+    terminating = trio.Event()
+
+    async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if not terminating.is_set():
+                    if filesystem.open_files and filesystem.shared is None:
+                        log.warning("%d open file(s) lose the disk", filesystem.open_files)
+                    if workers is not None:
+                        workers.stop()
+                    # requests waiting for a lost server fail now, those in flight within seconds
+                    filesystem.export.stop("the FUSE process is stopping")
+                    log.info("%s: unmounting", signal.Signals(signum).name)
+                    terminating.set()
+                    reading.cancel()
+                else:
+                    log.warning("%s again: abandoning requests under way", signum)
+                    nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stop_on_signal)
+        if early.signal is not None:
+            log.info("%s before the FUSE loop started: unmounting", early.signal)
+            nursery.cancel_scope.cancel()
+            return
+        if workers is not None:
+
+            def start_workers() -> None:
+                for index in range(1, workers.count):
+                    nursery.start_soon(workers.watch, index)
+
+            async def refreshed(size: int) -> None:
+                await announce_refresh(workers.shared, 0, workers.count, size, workers.alive)
+
+            filesystem.on_init = start_workers
+            filesystem.after_refresh = refreshed
+            nursery.start_soon(follow_refreshes, filesystem, workers.shared, 0)
+        if ready is not None:
+            ready()
+        with trio.CancelScope() as reading:
+            await filesystem.run(fd, nursery.start_soon)
+        if terminating.is_set():
+            with trio.move_on_after(abandon_after) as waited:
+                await filesystem.wait_idle()
+            if waited.cancelled_caught:
+                log.warning(
+                    "requests still under way %.0fs after the signal: abandoned", abandon_after
+                )
+        elif workers is not None:
+            workers.stop()
         with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
             try:
                 await filesystem.sync()
-            except pyfuse3.FUSEError as e:
+            except FuseError as e:
                 log.error("the last flush failed: %s", os.strerror(e.errno))
-
-    await run_fuse_loop(
-        ready,
-        early,
-        on_terminate=terminating,
-        after_unmount=final_flush,
-        min_tasks=REQUEST_TASKS,
-    )
+        nursery.cancel_scope.cancel()
 
 
 def serve(
@@ -393,36 +922,110 @@ def serve(
     connections: int = DEFAULT_CONNECTIONS,
     timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
+    workers: int = DEFAULT_WORKERS,
     ready: Callable[[], None] | None = None,
 ) -> None:
-    """Mount and serve in this process until unmounted or sent SIGTERM/SIGINT."""
+    """Mount and serve in this process (and ``workers - 1`` more) until unmounted or
+    sent SIGTERM/SIGINT."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
     stop = EarlyStop()
     stop.install()
     set_io_flusher()
     export: ExportConnections | None = None
+    shared: SharedSize | None = None
+    team: Workers | None = None
     try:
-        export = ExportConnections.open(uri, connections, timeout=timeout)
+        export = ExportConnections.open(uri, _share(connections, workers), timeout=timeout)
         log.info(
-            "%s: %d bytes, %d connection(s)%s",
+            "%s: %d bytes, %d connection(s)%s%s",
             uri,
             export.size,
             len(export),
             ", read-only" if export.read_only else "",
+            f", {workers} processes" if workers > 1 else "",
         )
         if stop.signal is not None:
             return
         filesystem = BlockFile(export, direct_io=direct_io)
-        pyfuse3.init(filesystem, os.fspath(mountpoint), mount_options(uri))
-        raise_background_limit(mountpoint, BACKGROUND_LIMIT)
+        fd = fusedev.mount(mountpoint, fsname(uri), FSTYPE, ["default_permissions"])
         try:
-            trio.run(_serve, filesystem, ready, stop)
+            if workers > 1:
+                shared = SharedSize.create(export.size)
+                argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
+                argv += ["--connections", str(connections), "--timeout", str(timeout)]
+                argv += ["--workers", str(workers)]
+                if not direct_io:
+                    argv.append("--no-direct-io")
+                team = Workers(argv, fd, workers, shared)
+                filesystem.shared = shared
+            trio.run(functools.partial(_serve, filesystem, fd, ready, stop, workers=team))
         finally:
-            pyfuse3.close(unmount=True)
+            if team is not None:
+                team.stop()
+                team.reap(WORKER_STOP_TIMEOUT)
+            fusedev.unmount(mountpoint)
+            os.close(fd)
     finally:
         if export is not None:
             export.close()
+        if shared is not None:
+            shared.close()
+        stop.restore()
+
+
+def _share(connections: int, workers: int) -> int:
+    """NBD connections of each process: the total shared out, at least one each."""
+    return max(1, connections // max(1, workers))
+
+
+def serve_worker(
+    uri: str,
+    worker: str,
+    *,
+    connections: int,
+    workers: int,
+    timeout: float,
+    direct_io: bool,
+) -> None:
+    """A worker process: serve the cloned descriptor until the mount or the parent goes."""
+    index_text, fd_text, shared_text, parent_text = worker.split(",")
+    index, fd, parent = int(index_text), int(fd_text), int(parent_text)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        raise RuntimeError("the mounting process is gone")
+    os.set_inheritable(fd, False)
+    stop = EarlyStop()
+    stop.install()
+    set_io_flusher()
+    shared = SharedSize(int(shared_text))
+    export: ExportConnections | None = None
+    try:
+        export = ExportConnections.open(uri, _share(connections, workers), timeout=timeout)
+        if export.size != shared.read()[1]:
+            log.info("worker %d: export size %d", index, export.size)
+        filesystem = BlockFile(export, direct_io=direct_io)
+        filesystem.shared = shared
+        filesystem.initialized = True  # the mounting process answered FUSE_INIT
+
+        async def refreshed(size: int) -> None:
+            await announce_refresh(shared, index, workers, size, lambda _: True)
+
+        filesystem.after_refresh = refreshed
+
+        async def run() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow_refreshes, filesystem, shared, index)
+                log.info("serving, %d connection(s)", len(export))
+                await _serve(filesystem, fd, None, stop)
+                nursery.cancel_scope.cancel()
+
+        trio.run(run)
+    finally:
+        os.close(fd)
+        if export is not None:
+            export.close()
+        shared.close()
         stop.restore()
 
 
@@ -436,7 +1039,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("uri", help="nbd://HOST:PORT/EXPORT (any libnbd URI)")
     parser.add_argument("mountpoint")
-    parser.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS)
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=DEFAULT_CONNECTIONS,
+        help="NBD connections in all (shared out among the processes)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help=f"processes serving the mount (default {DEFAULT_WORKERS})",
+    )
     parser.add_argument("--ready-fd", type=int, help='write "ready" here, not to stdout')
     parser.add_argument(
         "--timeout",
@@ -446,14 +1060,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(default {DEFAULT_IO_TIMEOUT:.0f})",
     )
     parser.add_argument("--no-direct-io", dest="direct_io", action="store_false")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # index,fd,shared fd,parent pid
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        configure_logging(args.debug, f"worker {args.worker.split(',')[0]}")
+        try:
+            serve_worker(
+                args.uri,
+                args.worker,
+                connections=args.connections,
+                workers=args.workers,
+                timeout=args.timeout,
+                direct_io=args.direct_io,
+            )
+        except (OSError, ValueError, RuntimeError) as e:
+            log.error("worker: %s", e)
+            return 1
+        return 0
     configure_logging(args.debug)
     signal_ = ReadySignal(args.ready_fd)
 
     try:
         if args.connections < 1:
             raise ValueError("--connections must be at least 1")
+        if not 1 <= args.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be from 1 to {MAX_WORKERS}")
         if not 0 < args.timeout <= MAX_IO_TIMEOUT:
             raise ValueError(f"--timeout must be more than 0 and at most {MAX_IO_TIMEOUT:.0f}")
         serve(
@@ -462,6 +1094,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             connections=args.connections,
             timeout=args.timeout,
             direct_io=args.direct_io,
+            workers=args.workers,
             ready=signal_.ready,
         )
     except (OSError, ValueError, RuntimeError) as e:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -259,14 +260,22 @@ class ExportConnections:
 
         return min(self._slots, key=load)
 
-    async def _run_on(self, slot: _Slot | None, fn: Callable[[AioConnection], Awaitable[T]]) -> T:
+    async def _run_on(
+        self,
+        slot: _Slot | None,
+        fn: Callable[[AioConnection], Awaitable[T]],
+        failed: _Disconnected | None = None,
+    ) -> T:
         """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
         is answered, the export has been unreachable for the timeout, or the answer is
-        definitive."""
+        definitive.  ``failed``: its first attempt already failed so."""
         delay = RETRY_FIRST
         while True:
             target = slot if slot is not None else self._least_busy()
             try:
+                if failed is not None:
+                    first, failed = failed, None
+                    raise first
                 conn = target.conn
                 if conn is None or not conn.alive:
                     conn = await self._connected(target, CONNECT_TIMEOUT)
@@ -378,9 +387,47 @@ class ExportConnections:
             log.warning("%s: multi-conn withdrawn: flushes go to every connection", self.uri)
             self.multi_conn = False
 
+    # -------------------------------------------------------------- without a task
+
+    def ready_connection(self) -> AioConnection | None:
+        """The least busy connection, if the export is in its normal state (connected,
+        not refused, not stopping): a request may then be sent on it at once with
+        :meth:`AioConnection.submit_pread` / ``submit_pwrite``, and if that fails with
+        ``error``, go on through :meth:`resubmit`.  None: use the awaitable methods."""
+        if self._down_since is not None or self._refused is not None or self._stopping:
+            return None
+        best: AioConnection | None = None
+        load = 1 << 30
+        for slot in self._slots:
+            conn = slot.conn
+            if conn is not None and conn.alive and conn.in_flight < load:
+                best, load = conn, conn.in_flight
+        if best is not None and self.timeout is not None and not self._watching:
+            self._watch()
+        return best
+
+    def answer_of(self, conn: AioConnection, error: int) -> bool:
+        """Whether ``error`` from a request sent on ``conn`` is the server's answer to
+        it (to be passed on) rather than the connection lost (to be sent again)."""
+        return conn.alive and error not in _GONE
+
+    async def resubmit(
+        self, conn: AioConnection, error: int, fn: Callable[[AioConnection], Awaitable[T]]
+    ) -> T:
+        """``fn`` after a request sent on ``conn`` without a task failed with ``error``
+        because the connection was lost: from there on as if it had been sent by
+        :meth:`_run_on` (the same bound, reconnects, failover and log)."""
+        since = conn.stalled_since
+        if since is not None and self.timeout is not None:
+            message = f"no reply within {self.timeout:.1f}s"
+        else:
+            message = os.strerror(error) if error else "connection lost"
+        conn.close()
+        return await self._run_on(None, fn, _Disconnected(message, since=since))
+
     # -------------------------------------------------------------- requests
 
-    async def pread_into(self, buffer: bytearray, offset: int) -> None:
+    async def pread_into(self, buffer: bytearray | memoryview, offset: int) -> None:
         await self._run_on(None, lambda c: c.pread_into(buffer, offset))
 
     async def pwrite(self, data: bytes | memoryview, offset: int) -> None:

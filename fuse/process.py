@@ -1,4 +1,5 @@
-"""The life of a FUSE mount process, shared by the block file and the NFS mount.
+"""The life of a FUSE mount process, shared by the block file and the NFS mount
+(:func:`run_fuse_loop` is the NFS mount's pyfuse3 loop; the block file runs its own).
 
 Readiness: the process writes one line, ``ready`` or ``error: <reason>``, to
 a pipe (or stdout) once its mount is in place or has failed; the starter
@@ -61,10 +62,11 @@ class ReadySignal:
         self._answer(f"error: {reason}\n".encode(errors="replace"))
 
 
-def configure_logging(debug: bool) -> None:
+def configure_logging(debug: bool, who: str = "") -> None:
+    """Log lines to stderr; ``who`` (a worker process) is said in each."""
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        format=f"%(asctime)s %(name)s {who + ' ' if who else ''}%(levelname)s %(message)s",
     )
 
 

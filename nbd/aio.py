@@ -57,20 +57,40 @@ class _Pending:
         self.keep = keep  # the buffer libnbd reads from or writes into, kept alive
         self.owner = owner
 
+    def complete(self, error: int) -> None:
+        self.error = error
+        self.done.set()
+
+
+class _Callback:
+    """One request in flight whose completion calls a function (no task waits)."""
+
+    __slots__ = ("done", "keep", "owner")
+
+    def __init__(self, owner: AioConnection, keep: object, done: Callable[[int], None]) -> None:
+        self.done = done
+        self.keep = keep
+        self.owner = owner
+
+    def complete(self, error: int) -> None:
+        self.done(error)
+
 
 # Requests in flight, by the id passed to libnbd as the callback's user_data.
-_PENDING: dict[int, _Pending] = {}
+_PENDING: dict[int, _Pending | _Callback] = {}
 _ids = itertools.count(1)
 
 
 def _completed(user_data: int | None, error: Any) -> int:
     """libnbd's completion callback (on the thread that called into libnbd)."""
     try:
-        pending = _PENDING.pop(user_data or 0, None)
+        ident = user_data or 0
+        pending = _PENDING.pop(ident, None)
         if pending is not None:
-            pending.error = int(error[0]) if error else 0
-            pending.owner._in_flight -= 1
-            pending.done.set()
+            owner = pending.owner
+            owner._in_flight -= 1
+            owner._ids.pop(ident, None)
+            pending.complete(int(error[0]) if error else 0)
     except BaseException:  # never unwind into C
         log.exception("completion callback failed")
     return 1  # retire the command: nobody calls nbd_aio_command_completed
@@ -135,6 +155,46 @@ class AioConnection:
         await self._request(
             None, lambda cb: self._lib.nbd_aio_zero(self._h, count, offset, cb, int(flags))
         )
+
+    def submit_pread(
+        self, target: Any, length: int, offset: int, done: Callable[[int], None]
+    ) -> None:
+        """Send a read into ``target`` (a ctypes array, kept alive until answered) and
+        return at once; ``done(errno)`` is called when it is answered (0: the data is
+        there) or fails, from the trio thread.  Raises :class:`NBDError` if it cannot be
+        sent (then ``done`` is never called)."""
+        self._submit(
+            target,
+            lambda cb: self._lib.nbd_aio_pread(self._h, target, length, offset, cb, 0),
+            done,
+        )
+
+    def submit_pwrite(self, data: bytes, offset: int, done: Callable[[int], None]) -> None:
+        """Like :meth:`submit_pread`, for a write of ``data``."""
+        self._submit(
+            data,
+            lambda cb: self._lib.nbd_aio_pwrite(self._h, data, len(data), offset, cb, 0),
+            done,
+        )
+
+    def _submit(self, keep: object, issue: Any, done: Callable[[int], None]) -> None:
+        if not self.alive:
+            raise self._gone()
+        self._start()
+        ident = next(_ids)
+        _PENDING[ident] = _Callback(self, keep, done)
+        self._ids[ident] = trio.current_time()
+        self._in_flight += 1
+        try:
+            issue(_CompletionCallback(_ON_COMPLETE, ident, _NO_FREE))
+        except NBDError:
+            if _PENDING.pop(ident, None) is not None:
+                self._in_flight -= 1
+            self._ids.pop(ident, None)
+            self._check_dead()
+            raise
+        if self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE:
+            self._write_wanted.set()
 
     async def _request(self, keep: object, issue: Any) -> None:
         if not self.alive:
@@ -231,8 +291,8 @@ class AioConnection:
             pending = _PENDING.pop(ident, None)
             if pending is not None:
                 self._in_flight -= 1
-                pending.error = error.errno or errno.ENOTCONN
-                pending.done.set()
+                self._ids.pop(ident, None)
+                pending.complete(error.errno or errno.ENOTCONN)
 
     def expire(self, timeout: float, now: float) -> bool:
         """Declare the connection lost if its oldest request in flight was sent

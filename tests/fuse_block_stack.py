@@ -54,9 +54,11 @@ class BlockStack:
     def state_dir(self) -> Path:
         return self.tmp / "state"
 
-    def attach(self, uri: str) -> Attachment:
+    def attach(self, uri: str, workers: int = 1) -> Attachment:
         self.attached.append(uri)
-        attachment = attach_fuse_block(uri, self.state_dir, connections=4, timeout=IO_TIMEOUT)
+        attachment = attach_fuse_block(
+            uri, self.state_dir, connections=4, timeout=IO_TIMEOUT, workers=workers
+        )
         assert loop_status(attachment.device) is not None
         return attachment
 

@@ -4,10 +4,12 @@ the same export.
 Run with ``make bench`` (or this file alone, under the machine's heavy-work lock).  One
 sparse image (1 GiB, ``MOORAGE_BENCH_FUSE_IMAGE_MIB``) is served by ``moorage nbd
 serve`` on a loopback port and attached with :func:`fuse.blockdev.attach_fuse_block`
-(the FUSE block file with its default NBD connections, a loop device with direct I/O).
-Two clients drive the same export, one at a time:
+(the FUSE block file with its default NBD connections, a loop device with direct I/O),
+once for each count of FUSE processes in ``MOORAGE_BENCH_FUSE_WORKERS`` (``1,2``: the
+block file's ``--workers``), so those are compared in the same run.  The clients drive
+the same export, one at a time:
 
-- loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``;
+- loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``, one per attachment;
 - nbd: ``fio --ioengine=nbd --uri=nbd://...`` (one connection), the peer;
 
 each with ``--bs=4k --iodepth=32 --norandommap --time_based --runtime=10`` for
@@ -18,7 +20,7 @@ other (fio ``--verify=crc32c``, then ``--verify_only``), and the whole image is 
 once so that no timed run pays for block allocation.
 
 Besides the IOPS, the table shows the CPU time each process spent per I/O during the
-loop runs (the FUSE process, the NBD server; from /proc/PID/stat), which is where a
+loop runs (the FUSE processes, the NBD server; from /proc/PID/stat), which is where a
 4 KiB request's cost goes on a machine of few cores, and the settings in effect (the
 loop device's direct I/O, queue depth and read-ahead, the FUSE connection's background
 limits), so that a run records what it measured.
@@ -30,26 +32,30 @@ a loop device, mount or FUSE process is left behind.  The goals (issue 22: loop/
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from fuse.blockdev import Attachment
+from fuse.blockdev import Attachment, attach_fuse_block, detach_fuse_block
 from fuse.loop import loop_status
 from fuse.process import fusectl
 from hostio.atomicfile import fsync_path
 from tests.bench.harness import ServerSpec, moorage_argv, ratio, serving, version
 from tests.bench.test_attach_bench import (
     BLOCK_TOOLS,
+    CONNECTIONS,
+    IO_TIMEOUT,
     FioTarget,
     LoadSampler,
-    attached,
     block_leftovers,
     fio,
     header,
     interleaved,
+    kill_fuse_block,
     require,
     verify_across,
 )
@@ -62,6 +68,8 @@ MiB = 1 << 20
 IMAGE_SIZE = int(os.environ.get("MOORAGE_BENCH_FUSE_IMAGE_MIB", "1024")) * MiB
 FIO_RUNTIME = int(os.environ.get("MOORAGE_BENCH_FIO_SECONDS", "10"))
 ROUNDS = int(os.environ.get("MOORAGE_BENCH_FUSE_ROUNDS", "3"))
+# FUSE processes serving the file (fuse.blockfile --workers), each measured in the same run
+WORKERS = [int(w) for w in os.environ.get("MOORAGE_BENCH_FUSE_WORKERS", "1,2").split(",")]
 LOOP = "FUSE + loop"
 NBD = "fio nbd engine"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -95,11 +103,46 @@ WORKLOADS = (
 )
 
 
+def loop_name(workers: int) -> str:
+    return f"{LOOP}, {workers} process{'es' if workers > 1 else ''}"
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """User + system CPU time of ``pid`` (all its threads) and of its children so far
+    (a FUSE block file's worker processes)."""
+    total = 0.0
+    for task in _family(pid):
+        try:
+            with open(f"/proc/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+def _family(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return [pid, *(int(c) for c in children)]
+
+
+@contextlib.contextmanager
+def attached(uri: str, state_dir: Path, workers: int) -> Iterator[Attachment]:
+    """The export as /dev/loopN served by ``workers`` FUSE processes; detached after."""
+    try:
+        yield attach_fuse_block(
+            uri, state_dir, connections=CONNECTIONS, timeout=IO_TIMEOUT, workers=workers
+        )
+    finally:
+        try:
+            detach_fuse_block(uri, state_dir, timeout=20)
+        except Exception as e:
+            print(f"\ndetach failed ({e}); killing the FUSE process and detaching again")
+            kill_fuse_block(str(state_dir))
+            detach_fuse_block(uri, state_dir, timeout=20)
 
 
 @dataclass
@@ -148,32 +191,36 @@ def settings(attachment: Attachment) -> list[str]:
     return [
         f"loop {attachment.device}: direct I/O {status.direct_io if status else '?'}, {loop}",
         f"FUSE connection {minor}: max_background {background}, "
-        f"congestion_threshold {congestion}; {attachment.connections} NBD connection(s)",
+        f"congestion_threshold {congestion}; {attachment.connections} NBD connection(s) "
+        f"shared by {attachment.workers} process(es)",
     ]
 
 
 def table(results: dict[tuple[str, str], list[Run]]) -> list[str]:
     lines = [
-        f"| workload | {LOOP} IOPS | {NBD} IOPS | loop/nbd | goal | met "
+        f"| workload | FUSE processes | {LOOP} IOPS | {NBD} IOPS | loop/nbd | goal | met "
         "| CPU µs/IO: FUSE, server (loop) | server (nbd) | runs loop / nbd (IOPS) |",
-        "|---|--:|--:|--:|---|---|--:|--:|---|",
+        "|---|--:|--:|--:|--:|---|---|--:|--:|---|",
     ]
     for w in WORKLOADS:
-        loop_runs = results.get((w.label, LOOP), [])
         nbd_runs = results.get((w.label, NBD), [])
         zero = Run(0.0, 0, {})
-        loop = max(loop_runs, key=lambda r: r.iops, default=zero)
         nbd = max(nbd_runs, key=lambda r: r.iops, default=zero)
-        met = ""
-        if loop.iops and nbd.iops:
-            met = "yes" if loop.iops >= w.goal * nbd.iops else "**no**"
-        runs = " / ".join(", ".join(f"{r.iops:,.0f}" for r in rs) for rs in (loop_runs, nbd_runs))
-        lines.append(
-            f"| {w.label} | {loop.iops:,.0f} | {nbd.iops:,.0f} | {ratio(loop.iops, nbd.iops)} "
-            f"| >= {w.goal}x | {met} "
-            f"| {loop.cpu_us_per_io('fuse'):.0f}, {loop.cpu_us_per_io('server'):.0f} "
-            f"| {nbd.cpu_us_per_io('server'):.0f} | {runs} |"
-        )
+        for workers in WORKERS:
+            loop_runs = results.get((w.label, loop_name(workers)), [])
+            loop = max(loop_runs, key=lambda r: r.iops, default=zero)
+            met = ""
+            if loop.iops and nbd.iops:
+                met = "yes" if loop.iops >= w.goal * nbd.iops else "**no**"
+            runs = " / ".join(
+                ", ".join(f"{r.iops:,.0f}" for r in rs) for rs in (loop_runs, nbd_runs)
+            )
+            lines.append(
+                f"| {w.label} | {workers} | {loop.iops:,.0f} | {nbd.iops:,.0f} "
+                f"| {ratio(loop.iops, nbd.iops)} | >= {w.goal}x | {met} "
+                f"| {loop.cpu_us_per_io('fuse'):.0f}, {loop.cpu_us_per_io('server'):.0f} "
+                f"| {nbd.cpu_us_per_io('server'):.0f} | {runs} |"
+            )
     return lines
 
 
@@ -190,30 +237,40 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
     described: list[str] = []
     load = LoadSampler()
     try:
-        with (
-            load,
-            serving(ServerSpec("moorage", moorage_argv), image, logs) as server,
-            attached(server.uri, state_dir) as attachment,
-        ):
-            described = settings(attachment)
-            loop = FioTarget(LOOP, (f"--filename={attachment.device}", "--ioengine=libaio"))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(load)
+            server = stack.enter_context(serving(ServerSpec("moorage", moorage_argv), image, logs))
             nbd = FioTarget(NBD, ("--ioengine=nbd", f"--uri={server.uri}"))
-            targets = {LOOP: loop, NBD: nbd}
-            pids = {"fuse": attachment.pid, "server": server.proc.pid}
+            targets = {NBD: nbd}
+            pids: dict[str, dict[str, int]] = {NBD: {"server": server.proc.pid}}
+            for workers in WORKERS:
+                attachment = stack.enter_context(
+                    attached(server.uri, state_dir / f"workers-{workers}", workers)
+                )
+                described += settings(attachment)
+                name = loop_name(workers)
+                targets[name] = FioTarget(
+                    name, (f"--filename={attachment.device}", "--ioengine=libaio")
+                )
+                pids[name] = {"fuse": attachment.pid, "server": server.proc.pid}
+            first = targets[loop_name(WORKERS[0])]
             # Untimed: each path reads what the other wrote.
-            verify_across(loop, nbd, offset=0)
-            verify_across(nbd, loop, offset=IMAGE_SIZE // 2)
+            verify_across(first, nbd, offset=0)
+            verify_across(nbd, first, offset=IMAGE_SIZE // 2)
             # Untimed: every block of the image allocated before the first timed write.
             fio(nbd, ["--rw=write", "--bs=1M", "--iodepth=8", f"--size={IMAGE_SIZE}"])
             fsync_path(image)
             for w in WORKLOADS:
-                for _, name in interleaved([LOOP, NBD], ROUNDS):
-                    results.setdefault((w.label, name), []).append(measure(targets[name], w, pids))
+                for _, name in interleaved(list(targets), ROUNDS):
+                    results.setdefault((w.label, name), []).append(
+                        measure(targets[name], w, pids[name])
+                    )
                     if w.side == "write":
                         fsync_path(image)  # untimed: no run pays for another's writeback
                     server.check_alive()
-            # Untimed, after the timed runs too: the loop device still reads what nbd wrote.
-            verify_across(nbd, loop, offset=0)
+            # Untimed, after the timed runs too: each loop device still reads what nbd wrote.
+            for workers in WORKERS:
+                verify_across(nbd, targets[loop_name(workers)], offset=0)
     finally:
         common = " ".join(WORKLOADS[0].args()[1:])
         out = header(
@@ -226,6 +283,8 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
                 f"{NBD}: fio --ioengine=nbd --uri=nbd://... --direct=1 (one connection)",
                 f"common: --rw=randread|randwrite {common}",
                 *described,
+                f"FUSE processes (--workers): {', '.join(map(str, WORKERS))}, each its own "
+                "attachment of the same export",
                 f"best of {ROUNDS} interleaved runs; {version(['fio', '--version'])}",
             ],
         )
@@ -235,5 +294,5 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
     left = block_leftovers(str(tmp_path))
     assert not left, "left behind:\n" + "\n".join(left)
     for w in WORKLOADS:
-        for name in (LOOP, NBD):
+        for name in [NBD, *(loop_name(n) for n in WORKERS)]:
             assert len(results.get((w.label, name), [])) == ROUNDS, (w.label, name)

@@ -3,8 +3,11 @@
 - The loop device runs in direct-I/O mode over the FUSE file (no second page
   cache), and what is written through it with O_DIRECT is what an NBD client
   reads from the export, byte for byte, and the other way round.
-- The FUSE process keeps its request tasks ready instead of starting one per
-  request (``fuse.process.run_fuse_loop``'s ``min_tasks``).
+- With ``workers`` > 1, several processes serve the FUSE file (cloned
+  ``/dev/fuse`` descriptors, NBD connections of their own): the bytes are
+  still the export's both ways, each process takes requests, a refresh
+  reaches every one, a worker that is killed is replaced and its requests
+  fail instead of hanging, and workers end with the mounting process.
 - A server that stops answering (SIGSTOP: its connections stay open, nothing
   comes back) fails a request with EIO after the I/O timeout: the export's
   watchdog, not a timer per request, declares the connection lost.  Once the
@@ -26,14 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import pytest
 
-from fuse.blockdev import attach_fuse_block
-from fuse.blockfile import REQUEST_TASKS, BlockFile, _serve
+from fuse.blockdev import attach_fuse_block, detach_fuse_block, refresh_size
 from fuse.loop import loop_status
 from fuse.nbdconnections import watch_period
-from fuse.process import EarlyStop
+from hostio.mountinfo import read_mountinfo, topmost
 from nbd.libnbd import NBDClient
 from tests.conftest import NBDServerFactory, NBDServerProcess, sparse_image
 from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, reads_again
@@ -63,10 +64,12 @@ def aligned(data: bytes) -> mmap.mmap:
     return buf
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
-    server: NBDServerProcess, stack: BlockStack
+    server: NBDServerProcess, stack: BlockStack, workers: int
 ) -> None:
-    attachment = stack.attach(server.uri("disk"))
+    attachment = stack.attach(server.uri("disk"), workers=workers)
+    assert len(_processes(attachment.pid, workers)) == workers
     status = loop_status(attachment.device)
     assert status is not None and status.direct_io, status
     name = os.path.basename(attachment.device)
@@ -99,24 +102,19 @@ def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
         os.close(fd)
 
 
-async def test_the_block_file_keeps_its_request_tasks_ready(
-    monkeypatch: pytest.MonkeyPatch,
+def test_the_mount_looks_as_it_did_under_libfuse(
+    server: NBDServerProcess, stack: BlockStack
 ) -> None:
-    """pyfuse3.main is told to keep REQUEST_TASKS tasks (its default is 1)."""
-    seen: dict[str, Any] = {}
-
-    async def main(**kwargs: Any) -> None:
-        seen.update(kwargs)
-
-    monkeypatch.setattr(pyfuse3, "main", main)
-
-    class Export:
-        def stop(self, reason: str) -> None:
-            pass
-
-    await _serve(BlockFile(Export()), None, EarlyStop())  # type: ignore[arg-type]
-    assert seen["min_tasks"] == REQUEST_TASKS > 1
-    assert seen["max_tasks"] >= REQUEST_TASKS
+    """mount(2) with libfuse's options: the source, type and options findmnt shows (and
+    the cleanup code matches) are what pyfuse3's mount gave."""
+    uri = server.uri("disk")
+    attachment = stack.attach(uri)
+    entry = topmost(read_mountinfo(), attachment.mountpoint)
+    assert entry is not None
+    assert entry.fstype == "fuse.moorage-nbd"
+    assert entry.source == f"moorage-nbd:{uri}"
+    assert {"nosuid", "nodev"} <= set(entry.mount_options)
+    assert set(entry.super_options) == {"rw", "user_id=0", "group_id=0", "default_permissions"}
 
 
 def test_a_server_that_stops_answering_fails_io_after_the_timeout(
@@ -154,3 +152,158 @@ def test_a_server_that_stops_answering_fails_io_after_the_timeout(
     finally:
         os.close(fd)
     assert "no reply within" in Path(attachment.log_file).read_text()
+
+
+# ------------------------------------------------------------------ several processes
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _processes(pid: int, count: int, within: float = PROMPTLY) -> list[int]:
+    """The mounting process and its workers, once there are ``count`` of them."""
+    deadline = time.monotonic() + within
+    while True:
+        found = [pid, *_children(pid)]
+        if len(found) == count:
+            return found
+        assert time.monotonic() < deadline, f"{len(found)} processes, not {count}: {found}"
+        time.sleep(0.1)
+
+
+def _logged(log_file: str, text: str, within: float = PROMPTLY) -> None:
+    deadline = time.monotonic() + within
+    while text not in Path(log_file).read_text():
+        assert time.monotonic() < deadline, f"{text!r} not logged within {within}s"
+        time.sleep(0.1)
+
+
+def _read_calls(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("syscr:")).split()[1])
+
+
+def _hammer(device: str, seconds: float, errors: list[BaseException], threads: int = 8) -> None:
+    """4 KiB O_DIRECT reads and writes from several threads (many requests in flight)."""
+    stop = time.monotonic() + seconds
+
+    def run(k: int) -> None:
+        fd = os.open(device, os.O_RDWR | os.O_DIRECT)
+        try:
+            with mmap.mmap(-1, 4096) as buf:
+                i = 0
+                while time.monotonic() < stop:
+                    offset = ((k * 7919 + i * 104729) % (IMAGE_SIZE // 4096)) * 4096
+                    try:
+                        if i % 2:
+                            os.pwritev(fd, [buf], offset)
+                        else:
+                            os.preadv(fd, [buf], offset)
+                    except OSError as e:
+                        errors.append(e)
+                    i += 1
+        finally:
+            os.close(fd)
+
+    workers = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(seconds + PROMPTLY)
+        assert not t.is_alive(), "I/O on the loop device hung"
+
+
+def _round_trip(device: str, uri: str, offset: int) -> None:
+    """1 MiB through the loop device read back through the export, and the other way."""
+    data = os.urandom(MiB)
+    fd = os.open(device, os.O_RDWR | os.O_DIRECT)
+    try:
+        for k in range(0, MiB, 64 * 1024):  # many requests: every process gets some
+            with aligned(data[k : k + 64 * 1024]) as buf:
+                assert os.pwritev(fd, [buf], offset + k) == 64 * 1024
+        os.fsync(fd)
+        with NBDClient.open(uri, meta_contexts=()) as client:
+            assert client.pread(MiB, offset) == data
+            back = os.urandom(MiB)
+            client.pwrite(back, offset + MiB)
+            client.flush()
+        with mmap.mmap(-1, 4096) as buf:
+            for k in range(0, MiB, 4096):
+                assert os.preadv(fd, [buf], offset + MiB + k) == 4096
+                assert buf[:] == back[k : k + 4096], f"offset {offset + MiB + k}"
+    finally:
+        os.close(fd)
+
+
+def test_every_process_takes_requests(server: NBDServerProcess, stack: BlockStack) -> None:
+    attachment = stack.attach(server.uri("disk"), workers=2)
+    processes = _processes(attachment.pid, 2)
+    before = {pid: _read_calls(pid) for pid in processes}
+    errors: list[BaseException] = []
+    _hammer(attachment.device, 3.0, errors)
+    assert not errors, errors[:3]
+    grew = {pid: _read_calls(pid) - before[pid] for pid in processes}
+    # each process read requests from /dev/fuse (a read(2) each, and more)
+    assert all(count > 50 for count in grew.values()), grew
+    _round_trip(attachment.device, server.uri("disk"), 16 * MiB)
+
+
+def test_a_refresh_reaches_every_process(
+    server: NBDServerProcess, stack: BlockStack, tmp_path: Path
+) -> None:
+    attachment = stack.attach(server.uri("disk"), workers=2)
+    _processes(attachment.pid, 2)
+    _logged(attachment.log_file, "worker 1 INFO serving")  # connected at the old size
+    os.truncate(tmp_path / "disk.img", IMAGE_SIZE + 64 * MiB)
+    assert refresh_size(attachment) == IMAGE_SIZE + 64 * MiB
+    # past the old end, through whichever process takes each request
+    _round_trip(attachment.device, server.uri("disk"), IMAGE_SIZE + 32 * MiB)
+    log = Path(attachment.log_file).read_text()
+    assert log.count(f"export size {IMAGE_SIZE} -> {IMAGE_SIZE + 64 * MiB}") == 2, log
+
+
+def test_a_killed_worker_is_replaced_and_its_requests_fail_not_hang(
+    server: NBDServerProcess, stack: BlockStack
+) -> None:
+    attachment = stack.attach(server.uri("disk"), workers=2)
+    _, worker = _processes(attachment.pid, 2)
+    errors: list[BaseException] = []
+    hammer = threading.Thread(target=_hammer, args=(attachment.device, 4.0, errors))
+    hammer.start()
+    time.sleep(1.0)
+    os.kill(worker, signal.SIGKILL)
+    hammer.join(4.0 + 2 * PROMPTLY)
+    assert not hammer.is_alive()
+    # what the dead worker had taken failed (EIO), nothing else
+    assert all(isinstance(e, OSError) and e.errno == errno.EIO for e in errors), errors[:3]
+    _, replaced = _processes(attachment.pid, 2)
+    assert replaced != worker
+    assert "starting another" in Path(attachment.log_file).read_text()
+    _round_trip(attachment.device, server.uri("disk"), 24 * MiB)
+
+
+def test_workers_end_with_the_mounting_process(server: NBDServerProcess, stack: BlockStack) -> None:
+    uri = server.uri("disk")
+    attachment = stack.attach(uri, workers=2)
+    _, worker = _processes(attachment.pid, 2)
+    os.kill(attachment.pid, signal.SIGKILL)
+    deadline = time.monotonic() + PROMPTLY
+    while _alive(worker):
+        assert time.monotonic() < deadline, "a worker outlived the mounting process"
+        time.sleep(0.1)
+    assert detach_fuse_block(uri, stack.state_dir)
+    stack.attached.remove(uri)
+    assert loop_status(attachment.device) is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
