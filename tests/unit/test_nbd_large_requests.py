@@ -12,6 +12,7 @@ import errno
 import random
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -231,10 +232,10 @@ class _WriteRecorded(_Recorded):
         self._note(data, -1)
         return super().write_inline(data, offset)
 
-    def writev_timed(self, views: list[memoryview], offset: int, slow: float | None = None) -> None:
+    def writev_timed(self, views: list[memoryview], offset: int, *rest: Any) -> None:
         for view in views:
             self._note(view, -1)
-        super().writev_timed(views, offset, slow)
+        super().writev_timed(views, offset, *rest)
 
     def write(self, data: memoryview, offset: int, fua: bool = False) -> None:
         self._note(data, -1)
