@@ -37,7 +37,15 @@ from nbd.exports import ExportStats
 from nbd.handshake import BASE_ALLOCATION_ID, Session
 from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
 from nbd.throttle import Throttle
-from nbd.transport import Buffer, BufferPool, PeerClosed, ReplyQueue, Transport
+from nbd.transport import (
+    Buffer,
+    BufferPool,
+    DataBuffer,
+    PeerClosed,
+    ReplyQueue,
+    Transport,
+    data_buffer,
+)
 
 log = logging.getLogger("moorage.nbd")
 
@@ -295,7 +303,7 @@ class Transmission:
     async def _serve_one(self, req: Request, cost: int, nursery: trio.Nursery) -> bool:
         """Take a request's payload and serve it, inline or in a task; False: stop reading."""
         handed_off = False
-        payload: bytearray | None = None
+        payload: DataBuffer | None = None
         try:
             if req.type == Command.WRITE:
                 if req.length > MAX_PAYLOAD:
@@ -461,7 +469,7 @@ class Transmission:
 
     # ------------------------------------------------------ inline fast path
 
-    async def _try_write_in_sender(self, req: Request, payload: bytearray) -> bool:
+    async def _try_write_in_sender(self, req: Request, payload: DataBuffer) -> bool:
         """Leave a plain write to the reply thread, which writes, then answers.
 
         Only while writes into the page cache are quick (a slow one sends the
@@ -493,7 +501,7 @@ class Transmission:
         await replies.put_write(job, functools.partial(pool.put, payload))
         return True
 
-    async def _try_inline(self, req: Request, payload: bytearray | None) -> bool:
+    async def _try_inline(self, req: Request, payload: DataBuffer | None) -> bool:
         """Answer without blocking if the page cache allows; False if a thread is needed.
 
         A read or write that completes only in part is redone whole in a
@@ -530,7 +538,7 @@ class Transmission:
 
     # ------------------------------------------------------ threaded path
 
-    async def _handle(self, req: Request, payload: bytearray | None, cost: int) -> None:
+    async def _handle(self, req: Request, payload: DataBuffer | None, cost: int) -> None:
         try:
             await self._dispatch(req, payload)
         except RequestError as refused:
@@ -544,7 +552,7 @@ class Transmission:
             if payload is not None:
                 self._buffers.put(payload)
 
-    async def _dispatch(self, req: Request, payload: bytearray | None) -> None:
+    async def _dispatch(self, req: Request, payload: DataBuffer | None) -> None:
         image = self.image
         fua = bool(req.flags & CommandFlag.FUA)
         match req.type:
@@ -606,9 +614,9 @@ class Transmission:
         extents: list[tuple[int, bool]] | None = None
         want_holes = self.s.structured and req.length >= HOLE_CHECK_MIN and not req.flags
 
-        def work() -> tuple[bytearray, list[tuple[int, bool]] | None]:
+        def work() -> tuple[DataBuffer, list[tuple[int, bool]] | None]:
             runs = image.extents(req.offset, req.length) if want_holes else None
-            buf = bytearray(req.length)
+            buf = data_buffer(req.length)
             if runs is not None and len(runs) == 1 and runs[0][1]:
                 return buf, runs  # all hole: nothing to read
             image.read_into(memoryview(buf), req.offset)
@@ -620,13 +628,13 @@ class Transmission:
     async def _send_read(
         self,
         req: Request,
-        buf: bytearray,
+        buf: DataBuffer,
         extents: list[tuple[int, bool]] | None,
         sent: Callable[[], None] | None = None,
     ) -> None:
         cookie = req.cookie
         if not self.s.structured:
-            await self.replies.put([codec.encode_simple_reply(cookie), buf], sent)
+            await self.replies.put([codec.encode_simple_reply(cookie), memoryview(buf)], sent)
             return
         if (
             extents is None
@@ -634,7 +642,7 @@ class Transmission:
             or sum(n for n, _ in extents) != len(buf)
         ):
             header = codec.encode_offset_data_header(cookie, req.offset, len(buf), True)
-            await self.replies.put([header, buf], sent)
+            await self.replies.put([header, memoryview(buf)], sent)
             return
         parts: list[Buffer] = []
         view = memoryview(buf)

@@ -8,6 +8,7 @@ TLS and stdio streams go through the generic stream interface.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Callable, Sequence
 
@@ -16,6 +17,8 @@ import trio
 from nbd.iov import consume
 
 Buffer = bytes | bytearray | memoryview
+# A buffer for request data (``data_buffer``).
+DataBuffer = bytearray | mmap.mmap
 
 # Input is read in chunks of at least this size for headers (many small
 # requests per system call); a write payload beyond what such a read brought
@@ -28,6 +31,22 @@ _RECV_CHUNK = 16 * 1024
 _RECV_BUFFER = 128 * 1024
 # Buffers in one sendmsg call (the kernel's IOV_MAX is 1024).
 _IOV_MAX = 512
+# Request data buffers from this size on are page-aligned mappings.
+ALIGNED_MIN = 16 * 1024
+
+
+def data_buffer(size: int) -> DataBuffer:
+    """A zeroed buffer for a read's data or a write's payload; large ones page-aligned.
+
+    The kernel copies file and socket data into user memory with ``rep
+    movsb``, which on this machine's AMD EPYC runs about 3.5 times slower
+    when the destination is not 64-byte aligned (a ``preadv`` of 256 KiB from
+    the page cache: 0.13 s per GiB page-aligned, 0.48 s 16 bytes off), and a
+    large ``bytearray`` from glibc starts 16 bytes into its page.
+    """
+    if size < ALIGNED_MIN:
+        return bytearray(size)
+    return mmap.mmap(-1, size)
 
 
 class PeerClosed(Exception):
@@ -187,10 +206,11 @@ class Transport:
 class BufferPool:
     """Read buffers and write payloads, reused once done with.
 
-    A fresh ``bytearray`` of a few hundred KiB costs page faults on every
-    request; sequential readers and writers ask for the same size over and
-    over.  Each size keeps up to ``keep`` buffers and ``keep_bytes`` bytes:
-    enough for the requests one connection has in flight.
+    A fresh buffer of a few hundred KiB costs page faults on every request;
+    sequential readers and writers ask for the same size over and over.
+    Buffers come from ``data_buffer`` (aligned, for fast kernel copies).
+    Each size keeps up to ``keep`` buffers and ``keep_bytes`` bytes: enough
+    for the requests one connection has in flight.
     """
 
     def __init__(
@@ -199,9 +219,9 @@ class BufferPool:
         self.max_size = max_size
         self.keep = keep
         self.keep_bytes = keep_bytes
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[DataBuffer]] = {}
 
-    def get(self, size: int) -> bytearray:
+    def get(self, size: int) -> DataBuffer:
         # Safe to share with the reply thread: list.pop and append are atomic.
         free = self._free.get(size)
         if free:
@@ -209,9 +229,9 @@ class BufferPool:
                 return free.pop()
             except IndexError:  # another thread took the last one
                 pass
-        return bytearray(size)
+        return data_buffer(size)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: DataBuffer) -> None:
         size = len(buf)
         if size > self.max_size:
             return
