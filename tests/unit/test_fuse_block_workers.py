@@ -36,6 +36,7 @@ from fuse.blockfile import (
     leave_when_single,
 )
 from fuse.nbdconnections import ExportConnections, ExportUnavailable, _Slot
+from fuse.process import ABANDON_AFTER
 from nbd.aio import _PENDING, AioConnection, _Callback
 from nbd.libnbd import NBDError
 from tests.unit.test_fuse_proto import Replies, init_body, request, send
@@ -124,7 +125,7 @@ async def test_alone_a_sync_without_writes_needs_no_flush() -> None:
 
 def test_a_worker_waits_for_its_final_flush() -> None:
     """The mounting process does not kill a worker that is still in its final flush."""
-    assert blockfile.WORKER_STOP_TIMEOUT > blockfile.ABANDON_AFTER + blockfile.FINAL_FLUSH_TIMEOUT
+    assert blockfile.WORKER_STOP_TIMEOUT > ABANDON_AFTER + blockfile.FINAL_FLUSH_TIMEOUT
 
 
 # ------------------------------------------------------------------ refreshes
@@ -234,7 +235,7 @@ async def test_a_worker_stops_once_multi_conn_is_withdrawn(
     shared: SharedSize, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
     signals: list[tuple[int, int]] = []
-    monkeypatch.setattr(blockfile.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signals.append((pid, sig)))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(leave_when_single, shared, 1)
         await trio.sleep(5)
