@@ -48,10 +48,15 @@ Choices, and why:
   with its own descriptor for the same connection (``FUSE_DEV_IOC_CLONE``)
   and its own NBD connections; the kernel gives each request to whichever
   reads first.  Multi-conn makes a FLUSH on any connection cover writes
-  completed on all.  A refresh in one process is announced to the others
-  through a shared page (:class:`SharedSize`) and waits, bounded, until they
-  have reconnected too.  A worker that dies is replaced; the requests it
-  had taken fail (the kernel ends them with ECONNABORTED when its
+  completed on all, so workers need it: without it at connect one process
+  serves, and a reconnect that finds it withdrawn stops the workers
+  (:func:`leave_when_single`).  A process cannot know what the others wrote,
+  so with workers every FSYNC and FLUSH is an NBD FLUSH, and at unmount the
+  mounting process flushes once its workers have ended.  A refresh in one
+  process is announced to the others through a shared page
+  (:class:`SharedSize`) and waits, bounded, until they have reconnected too;
+  one that a live process did not follow fails with EIO.  A worker that dies
+  is replaced; the requests it had taken fail (the kernel ends them with ECONNABORTED when its
   descriptor closes), none hangs.  A worker ends with its parent
   (``PR_SET_PDEATHSIG``).
 - **Reclaim.** ``PR_SET_IO_FLUSHER`` (Linux >= 5.6, needs CAP_SYS_RESOURCE)
