@@ -789,6 +789,10 @@ class Workers:
         return proc is not None and proc.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM each worker, once: a second SIGTERM would make it abandon the
+        requests under way and its final flush."""
+        if self.stopping:
+            return
         self.stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -304,3 +304,24 @@ def test_a_request_without_a_task_fails_with_eio() -> None:
     filesystem._failed(12, None, errno.ENOTCONN, "read", again)  # type: ignore[arg-type]
     assert replies.last() == (errno.EIO, 12, b"")
     assert filesystem.busy == 0
+
+
+def test_workers_are_sent_sigterm_once(shared: SharedSize) -> None:
+    """A second SIGTERM would make a worker abandon its requests and its final flush."""
+
+    class Proc:
+        pid = 1
+        sent: list[int] = []
+
+        def poll(self) -> None:
+            return None
+
+        def send_signal(self, sig: int) -> None:
+            self.sent.append(sig)
+
+    workers = Workers(["true"], -1, 2, shared)
+    proc = Proc()
+    workers.procs[1] = proc  # type: ignore[assignment]
+    workers.stop()
+    workers.stop()  # the signal handler, then the end of the loop
+    assert proc.sent == [signal.SIGTERM]
