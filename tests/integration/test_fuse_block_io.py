@@ -355,23 +355,42 @@ def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
     stack: BlockStack, tmp_path: Path
 ) -> None:
     """Two processes serve the mount; the kernel gives each request to either, so an
-    FSYNC often reaches a process that did not take the writes before it.  Each FSYNC
-    must still be an NBD FLUSH at the server: the writes are durable when it returns."""
-    rounds = 24
+    FSYNC may reach a process that did not take the writes before it.  Each FSYNC must
+    still be an NBD FLUSH at the server (the writes are durable when it returns), and
+    so must a close and the unmount, whichever process took the writes."""
+    rounds, threads = 24, 4
     with _nbdkit(tmp_path) as (uri, log):
         attachment = stack.attach(uri, workers=2)
         _processes(attachment.pid, 2)
-        fd = os.open(os.path.join(attachment.mountpoint, "disk"), os.O_RDWR)
+        disk = os.path.join(attachment.mountpoint, "disk")
+        fds = [os.open(disk, os.O_RDWR) for _ in range(threads)]
+        errors: list[BaseException] = []
+
+        def writer(k: int) -> None:
+            try:
+                for i in range(rounds):
+                    offset = (k * rounds + i) * 8192
+                    assert os.pwrite(fds[k], os.urandom(4096), offset) == 4096
+                    os.fsync(fds[k])
+            except BaseException as e:
+                errors.append(e)
+
         try:
             before = _flushes(log)
-            for i in range(rounds):
-                assert os.pwrite(fd, os.urandom(4096), i * 8192) == 4096
-                os.fsync(fd)
+            writer(0)  # one at a time
+            team = [threading.Thread(target=writer, args=(k,)) for k in range(threads)]
+            for t in team:  # and concurrently: requests spread over both processes
+                t.start()
+            for t in team:
+                t.join(PROMPTLY)
+            assert not any(t.is_alive() for t in team) and not errors, errors
             # the log line of a FLUSH is written as it starts, before it is answered
             flushed = _flushes(log) - before
         finally:
-            os.close(fd)
-        assert flushed >= rounds, f"{flushed} FLUSH commands for {rounds} fsync calls"
+            for fd in fds:
+                os.close(fd)
+        fsyncs = rounds * (threads + 1)
+        assert flushed >= fsyncs, f"{flushed} FLUSH commands for {fsyncs} fsync calls"
         stack.detach(attachment)
         last = _flushes(log)
         assert last > before + flushed  # the final flush at unmount (and close's FLUSH)
