@@ -18,6 +18,15 @@ directory under ``STATE_DIR/fuse-block/`` named after the URI:
 The state directory must not be on a device this module attached: the FUSE
 process must never write through its own loop device.
 
+``workers`` (processes serving the FUSE file, :mod:`fuse.blockfile`) is kept
+in the record as the process was started with it, and shown by
+:func:`list_attachments`; it is not an attachment's lasting setting.  The CSI
+node (``csi/attach/block.py``) passes none, so production runs one process,
+and an attachment that an attach call repairs is started again with the
+``workers`` of *that* call.  ``--workers`` serves benchmarks and tests until
+it is shown to pay (docs/performance.md); a server without multi-conn gets
+one process whatever was asked.
+
 Attach is idempotent (the same URI gives the attachment that exists, or
 repairs a half-made one); detach is idempotent and refuses a device that is
 still mounted (:class:`fuse.loop.LoopBusy`), since the FUSE process must

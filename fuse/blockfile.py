@@ -48,10 +48,15 @@ Choices, and why:
   with its own descriptor for the same connection (``FUSE_DEV_IOC_CLONE``)
   and its own NBD connections; the kernel gives each request to whichever
   reads first.  Multi-conn makes a FLUSH on any connection cover writes
-  completed on all.  A refresh in one process is announced to the others
-  through a shared page (:class:`SharedSize`) and waits, bounded, until they
-  have reconnected too.  A worker that dies is replaced; the requests it
-  had taken fail (the kernel ends them with ECONNABORTED when its
+  completed on all, so workers need it: without it at connect one process
+  serves, and a reconnect that finds it withdrawn stops the workers
+  (:func:`leave_when_single`).  A process cannot know what the others wrote,
+  so with workers every FSYNC and FLUSH is an NBD FLUSH, and at unmount the
+  mounting process flushes once its workers have ended.  A refresh in one
+  process is announced to the others through a shared page
+  (:class:`SharedSize`) and waits, bounded, until they have reconnected too;
+  one that a live process did not follow fails with EIO.  A worker that dies
+  is replaced; the requests it had taken fail (the kernel ends them with ECONNABORTED when its
   descriptor closes), none hangs.  A worker ends with its parent
   (``PR_SET_PDEATHSIG``).
 - **Reclaim.** ``PR_SET_IO_FLUSHER`` (Linux >= 5.6, needs CAP_SYS_RESOURCE)
@@ -123,10 +128,13 @@ FALLOC_FL_ZERO_RANGE: Final = 0x10
 DEFAULT_WORKERS: Final = 1
 MAX_WORKERS: Final = 16
 WORKER_READY_TIMEOUT: Final = 30.0
-WORKER_STOP_TIMEOUT: Final = ABANDON_AFTER + 4.0  # a worker's own graceful stop, and some
+# a worker's own graceful stop (requests under way, then its final flush), and some
+WORKER_STOP_TIMEOUT: Final = ABANDON_AFTER + FINAL_FLUSH_TIMEOUT + 4.0
 WORKER_RESTART_MAX: Final = 5.0  # seconds between restarts of a worker that keeps dying
 # a refresh waits this long for the other workers to reconnect
 REFRESH_WAIT: Final = CONNECT_TIMEOUT + 5.0
+REFRESH_TRIES: Final = 3  # a worker tries to follow a refresh this often, then gives up
+REFRESH_RETRY_PAUSE: Final = 1.0  # seconds between those tries
 SHARED_POLL: Final = 0.05  # seconds between a worker's looks at the shared page
 FH_INODE_BITS: Final = 4  # a file handle: a serial number, then the inode
 FH_INODE_MASK: Final = (1 << FH_INODE_BITS) - 1
@@ -150,7 +158,9 @@ class SharedSize:
     """A page shared by the processes that serve one mount: the generation of the last
     refresh, the export size it found, and what generation each worker has reached.
 
-    Layout: ``u64 generation, u64 size, u64 acked[MAX_WORKERS]``."""
+    Layout: ``u64 generation, u64 size, u64 acked[MAX_WORKERS], u64 single``;
+    ``single`` is set once the server withdrew multi-conn: one process serves from
+    then on (a FLUSH on one connection no longer covers writes made on another)."""
 
     _HEAD: Final = struct.Struct("=QQ")
 
@@ -178,6 +188,15 @@ class SharedSize:
 
     def acked(self, index: int) -> int:
         return int(struct.unpack_from("=Q", self._map, 16 + 8 * index)[0])
+
+    _SINGLE: Final = 16 + 8 * MAX_WORKERS
+
+    def make_single(self) -> None:
+        struct.pack_into("=Q", self._map, self._SINGLE, 1)
+
+    @property
+    def single(self) -> bool:
+        return bool(struct.unpack_from("=Q", self._map, self._SINGLE)[0])
 
     def close(self) -> None:
         self._map.close()
@@ -281,7 +300,11 @@ class BlockFile:
                 log.exception("unexpected error in a FUSE request")
                 self._fail(unique, errno.EIO)
 
-        self._later(run)
+        try:
+            self._later(run)
+        except RuntimeError as e:  # the nursery is closed: the loop is ending
+            log.warning("a FUSE request could not be served: %s", e)
+            self._fail(unique, errno.EIO)
 
     async def _call(self, request: Awaitable[T]) -> T:
         try:
@@ -580,7 +603,7 @@ class BlockFile:
 
     def _sync_request(self, header: fp.Header, fh: int) -> None:
         unique = header.unique
-        if self._inode(fh) != DISK_INODE or self._flushed >= self._written:
+        if self._inode(fh) != DISK_INODE or self._covered():
             self._answer(fp.reply(unique))
             return
 
@@ -590,10 +613,16 @@ class BlockFile:
 
         self._spawn(unique, sync)
 
+    def _covered(self) -> bool:
+        """Whether every completed write is covered by a FLUSH already.  Known only
+        where one process serves the mount: with workers, the kernel may give the
+        writes to one process and the FSYNC to another, so a FLUSH is always sent."""
+        return self.shared is None and self._flushed >= self._written
+
     async def sync(self) -> None:
         """NBD FLUSH, unless every completed write is covered by one already."""
         covers = self._written
-        if self._flushed >= covers:
+        if self._covered():
             return
         try:
             await self.export.flush()
@@ -650,9 +679,11 @@ class BlockFile:
         except ExportUnavailable as e:
             log.error("refresh: %s", e)
             raise FuseError(errno.EIO) from None
-        if self.after_refresh is not None:
-            await self.after_refresh(size)
-        self.invalidate_size()
+        try:
+            if self.after_refresh is not None:
+                await self.after_refresh(size)
+        finally:
+            self.invalidate_size()
         log.info("refreshed: export size %d", size)
         return size
 
@@ -728,6 +759,8 @@ class Workers:
         """Keep worker ``index`` running until the mount stops."""
         last_start = 0.0
         while not self.stopping:
+            if self.shared.single:
+                return  # multi-conn withdrawn: the worker stops itself, none replaces it
             proc = self.procs.get(index)
             if proc is None or proc.poll() is not None:
                 pause = WORKER_RESTART_MAX - (trio.current_time() - last_start)
@@ -756,11 +789,22 @@ class Workers:
         return proc is not None and proc.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM each worker, once: a second SIGTERM would make it abandon the
+        requests under way and its final flush."""
+        if self.stopping:
+            return
         self.stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
+
+    async def ended(self, timeout: float) -> None:
+        """Wait (in trio) for the workers to end, SIGKILL after ``timeout`` seconds."""
+        with trio.move_on_after(timeout):
+            while any(proc.poll() is None for proc in self.procs.values()):
+                await trio.sleep(SHARED_POLL)
+        self.reap(0.0)
 
     def reap(self, timeout: float) -> None:
         """Wait for the workers to end (SIGKILL after ``timeout`` seconds)."""
@@ -775,25 +819,33 @@ class Workers:
 
 
 async def announce_refresh(
-    shared: SharedSize, index: int, count: int, size: int, alive: Callable[[int], bool]
+    shared: SharedSize,
+    index: int,
+    count: int,
+    size: int,
+    alive: Callable[[int], bool],
+    wait: float = REFRESH_WAIT,
 ) -> None:
     """Process ``index`` found the export's new ``size``: tell the others, and wait
-    (at most :data:`REFRESH_WAIT` seconds) until each has reconnected too, so that no
-    request past the old size reaches one that still has it."""
+    (at most ``wait`` seconds) until each has reconnected too, so that no request
+    past the old size reaches one that still has it.  :class:`FuseError` (EIO) when
+    a live process has not acknowledged it by then: the refresh is not complete."""
     generation = shared.read()[0] + 1
     shared.publish(generation, size)
     shared.ack(index, generation)
-    deadline = trio.current_time() + REFRESH_WAIT
+    deadline = trio.current_time() + wait
     for other in range(count):
         while other != index and shared.acked(other) < generation and alive(other):
             if trio.current_time() > deadline:
-                log.warning("process %d did not reconnect within %.0fs", other, REFRESH_WAIT)
-                return
+                log.error("refresh: process %d did not reconnect within %.0fs", other, wait)
+                raise FuseError(errno.EIO)
             await trio.sleep(SHARED_POLL / 2)
 
 
 async def follow_refreshes(filesystem: BlockFile, shared: SharedSize, index: int) -> None:
-    """A refresh made by another process serving the mount: reconnect too, then ack."""
+    """A refresh made by another process serving the mount: reconnect too, then ack
+    (only once reconnected: a refresh that failed is tried :data:`REFRESH_TRIES`
+    times, then left unacknowledged, so that the announcing process fails it)."""
     seen = -1  # a refresh announced while this process was connecting counts too
     while True:
         generation, size = shared.read()
@@ -801,13 +853,34 @@ async def follow_refreshes(filesystem: BlockFile, shared: SharedSize, index: int
             await trio.sleep(SHARED_POLL)
             continue
         seen = generation
-        if size != filesystem.export.size:
-            try:
-                await filesystem.export.refresh()
-            except ExportUnavailable as e:
-                log.error("refresh: %s", e)
-            filesystem.invalidate_size()
+        if size != filesystem.export.size and not await _follow(filesystem, generation):
+            continue
         shared.ack(index, generation)
+
+
+async def _follow(filesystem: BlockFile, generation: int) -> bool:
+    """Reconnect for refresh ``generation``; whether it worked."""
+    for attempt in range(1, REFRESH_TRIES + 1):
+        try:
+            await filesystem.export.refresh()
+        except ExportUnavailable as e:
+            log.error("refresh %d (try %d of %d): %s", generation, attempt, REFRESH_TRIES, e)
+            if attempt < REFRESH_TRIES:
+                await trio.sleep(REFRESH_RETRY_PAUSE)
+            continue
+        filesystem.invalidate_size()
+        return True
+    return False
+
+
+async def leave_when_single(shared: SharedSize, index: int) -> None:
+    """In a worker: once multi-conn is withdrawn (by the server, seen by any process),
+    stop as on SIGTERM (requests under way answered, a last flush); the mounting
+    process serves alone from then on and starts no other worker."""
+    while not shared.single:
+        await trio.sleep(SHARED_POLL)
+    log.warning("worker %d: multi-conn withdrawn: stopping, one process serves", index)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ------------------------------------------------------------------ running a mount
@@ -905,8 +978,11 @@ async def _serve(
                 log.warning(
                     "requests still under way %.0fs after the signal: abandoned", abandon_after
                 )
-        elif workers is not None:
+        if workers is not None:
+            # the workers flush on their way out; the flush below comes after theirs,
+            # and covers whatever any process wrote (filesystem.shared is set)
             workers.stop()
+            await workers.ended(WORKER_STOP_TIMEOUT)
         with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
             try:
                 await filesystem.sync()
@@ -947,6 +1023,10 @@ def serve(
         )
         if stop.signal is not None:
             return
+        if workers > 1 and not export.multi_conn:
+            # a FLUSH on one process's connection would not cover another's writes
+            log.warning("%s does not advertise multi-conn: one process serves", uri)
+            workers = 1
         filesystem = BlockFile(export, direct_io=direct_io)
         fd = fusedev.mount(mountpoint, fsname(uri), FSTYPE, ["default_permissions"])
         try:
@@ -959,6 +1039,7 @@ def serve(
                     argv.append("--no-direct-io")
                 team = Workers(argv, fd, workers, shared)
                 filesystem.shared = shared
+                export.on_multi_conn_withdrawn = shared.make_single
             trio.run(functools.partial(_serve, filesystem, fd, ready, stop, workers=team))
         finally:
             if team is not None:
@@ -1004,9 +1085,13 @@ def serve_worker(
         export = ExportConnections.open(uri, _share(connections, workers), timeout=timeout)
         if export.size != shared.read()[1]:
             log.info("worker %d: export size %d", index, export.size)
+        if not export.multi_conn:
+            shared.make_single()
+            raise RuntimeError("the server no longer advertises multi-conn: not serving")
         filesystem = BlockFile(export, direct_io=direct_io)
         filesystem.shared = shared
         filesystem.initialized = True  # the mounting process answered FUSE_INIT
+        export.on_multi_conn_withdrawn = shared.make_single
 
         async def refreshed(size: int) -> None:
             await announce_refresh(shared, index, workers, size, lambda _: True)
@@ -1016,6 +1101,7 @@ def serve_worker(
         async def run() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follow_refreshes, filesystem, shared, index)
+                nursery.start_soon(leave_when_single, shared, index)
                 log.info("serving, %d connection(s)", len(export))
                 await _serve(filesystem, fd, None, stop)
                 nursery.cancel_scope.cancel()

@@ -180,6 +180,8 @@ class ExportConnections:
         self._watching = False  # the watchdog task runs (started with the first request)
         self._retired: set[AioConnection] = set()  # replaced by refresh, still draining
         self._closed = False
+        # called once a new connection no longer advertises multi-conn
+        self.on_multi_conn_withdrawn: Callable[[], None] | None = None
 
     @classmethod
     def open(
@@ -386,6 +388,8 @@ class ExportConnections:
         if self.multi_conn and not slot.multi_conn:
             log.warning("%s: multi-conn withdrawn: flushes go to every connection", self.uri)
             self.multi_conn = False
+            if self.on_multi_conn_withdrawn is not None:
+                self.on_multi_conn_withdrawn()
 
     # -------------------------------------------------------------- without a task
 

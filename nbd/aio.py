@@ -292,7 +292,10 @@ class AioConnection:
             if pending is not None:
                 self._in_flight -= 1
                 self._ids.pop(ident, None)
-                pending.complete(error.errno or errno.ENOTCONN)
+                try:
+                    pending.complete(error.errno or errno.ENOTCONN)
+                except Exception:  # one callback's failure must not strand the others
+                    log.exception("completion callback failed")
 
     def expire(self, timeout: float, now: float) -> bool:
         """Declare the connection lost if its oldest request in flight was sent

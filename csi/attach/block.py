@@ -157,6 +157,8 @@ def attach_block(
         from fuse import blockdev
 
         try:
+            # one FUSE process (no ``workers``), also when repairing an attachment
+            # whose record says more: see fuse.blockdev's docstring
             attachment = blockdev.attach_fuse_block(
                 uri, state_dir, connections=connections, timeout=io_timeout
             )

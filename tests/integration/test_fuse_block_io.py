@@ -19,10 +19,12 @@ deadline); the stack's teardown leaves no mount, loop device or process.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +38,14 @@ from fuse.loop import loop_status
 from fuse.nbdconnections import watch_period
 from hostio.mountinfo import read_mountinfo, topmost
 from nbd.libnbd import NBDClient
-from tests.conftest import NBDServerFactory, NBDServerProcess, sparse_image
+from tests.conftest import (
+    NBDServerFactory,
+    NBDServerProcess,
+    free_port,
+    sparse_image,
+    stop_process,
+    wait_for_port,
+)
 from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, reads_again
 
 TIMEOUT = 2.0  # the I/O timeout of the stalled-server test
@@ -307,3 +316,102 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ------------------------------------------------------------------ nbdkit: flushes, multi-conn
+
+
+@contextlib.contextmanager
+def _nbdkit(tmp_path: Path, *filters: str) -> Iterator[tuple[str, Path]]:
+    """nbdkit serving a sparse image with its log filter (every command, one line at
+    its start): (the URI, the log).  ``filters``: more ``--filter=`` arguments first."""
+    image = sparse_image(tmp_path / "nbdkit.img", IMAGE_SIZE)
+    log = tmp_path / "nbdkit-commands.log"
+    port = free_port()
+    argv = ["nbdkit", "--foreground", "--exit-with-parent", "-i", "127.0.0.1", "-p", str(port)]
+    argv += [f"--filter={f}" for f in filters]
+    argv += ["--filter=log", "file", str(image), f"logfile={log}", *_FILTER_ARGS[filters]]
+    with (tmp_path / "nbdkit.out").open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=out)
+    try:
+        wait_for_port(port, proc)
+        yield f"nbd://127.0.0.1:{port}", log
+    finally:
+        stop_process(proc, 10)
+
+
+_FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
+    (): [],
+    ("multi-conn",): ["multi-conn-mode=disable"],
+}
+
+
+def _flushes(log: Path) -> int:
+    """FLUSH commands the server received (its log has a line as each one starts)."""
+    return sum(1 for line in log.read_text().splitlines() if " Flush id=" in line)
+
+
+def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
+    stack: BlockStack, tmp_path: Path
+) -> None:
+    """Two processes serve the mount; the kernel gives each request to either, so an
+    FSYNC may reach a process that did not take the writes before it.  Each FSYNC must
+    still be an NBD FLUSH at the server (the writes are durable when it returns), and
+    so must a close and the unmount, whichever process took the writes."""
+    rounds, threads = 24, 4
+    with _nbdkit(tmp_path) as (uri, log):
+        attachment = stack.attach(uri, workers=2)
+        _processes(attachment.pid, 2)
+        disk = os.path.join(attachment.mountpoint, "disk")
+        fds = [os.open(disk, os.O_RDWR) for _ in range(threads)]
+        errors: list[BaseException] = []
+
+        def writer(k: int) -> None:
+            try:
+                for i in range(rounds):
+                    offset = (k * rounds + i) * 8192
+                    assert os.pwrite(fds[k], os.urandom(4096), offset) == 4096
+                    os.fsync(fds[k])
+            except BaseException as e:
+                errors.append(e)
+
+        try:
+            before = _flushes(log)
+            writer(0)  # one at a time
+            team = [threading.Thread(target=writer, args=(k,)) for k in range(threads)]
+            for t in team:  # and concurrently: requests spread over both processes
+                t.start()
+            for t in team:
+                t.join(PROMPTLY)
+            assert not any(t.is_alive() for t in team) and not errors, errors
+            # the log line of a FLUSH is written as it starts, before it is answered
+            flushed = _flushes(log) - before
+        finally:
+            for fd in fds:
+                os.close(fd)
+        fsyncs = rounds * (threads + 1)
+        assert flushed >= fsyncs, f"{flushed} FLUSH commands for {fsyncs} fsync calls"
+        stack.detach(attachment)
+        last = _flushes(log)
+        assert last > before + flushed  # the final flush at unmount (and close's FLUSH)
+
+
+def test_without_multi_conn_one_process_serves(stack: BlockStack, tmp_path: Path) -> None:
+    """A server without multi-conn: a FLUSH covers only its own connection's writes, so
+    ``--workers 2`` is one process, said in the log, and I/O works."""
+    with _nbdkit(tmp_path, "multi-conn") as (uri, _):
+        with NBDClient.open(uri, meta_contexts=()) as client:
+            assert not client.can_multi_conn()
+        attachment = stack.attach(uri, workers=2)
+        _logged(attachment.log_file, "does not advertise multi-conn: one process serves")
+        assert _children(attachment.pid) == []
+        data = os.urandom(MiB)
+        fd = os.open(os.path.join(attachment.mountpoint, "disk"), os.O_RDWR)
+        try:
+            assert os.pwrite(fd, data, 4 * MiB) == len(data)
+            os.fsync(fd)
+            assert os.pread(fd, len(data), 4 * MiB) == data
+        finally:
+            os.close(fd)
+        assert _children(attachment.pid) == []
+        stack.detach(attachment)
