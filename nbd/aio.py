@@ -178,31 +178,18 @@ class AioConnection:
         )
 
     def _submit(self, keep: object, issue: Any, done: Callable[[int], None]) -> None:
-        if not self.alive:
-            raise self._gone()
-        self._start()
-        ident = next(_ids)
-        _PENDING[ident] = _Callback(self, keep, done)
-        self._ids[ident] = trio.current_time()
-        self._in_flight += 1
-        try:
-            issue(_CompletionCallback(_ON_COMPLETE, ident, _NO_FREE))
-        except NBDError:
-            if _PENDING.pop(ident, None) is not None:
-                self._in_flight -= 1
-            self._ids.pop(ident, None)
-            self._check_dead()
-            raise
+        self._enlist(_Callback(self, keep, done), issue)
         if self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE:
             self._write_wanted.set()
 
-    async def _request(self, keep: object, issue: Any) -> None:
+    def _enlist(self, entry: _Pending | _Callback, issue: Any) -> int:
+        """Record ``entry`` under a new id and issue the request; the id.  A
+        request libnbd refuses leaves no trace and raises."""
         if not self.alive:
             raise self._gone()
         self._start()
         ident = next(_ids)
-        pending = _Pending(self, keep)
-        _PENDING[ident] = pending
+        _PENDING[ident] = entry
         self._ids[ident] = trio.current_time()
         self._in_flight += 1
         try:
@@ -213,6 +200,11 @@ class AioConnection:
             self._ids.pop(ident, None)
             self._check_dead()
             raise
+        return ident
+
+    async def _request(self, keep: object, issue: Any) -> None:
+        pending = _Pending(self, keep)
+        ident = self._enlist(pending, issue)
         self._check_dead()  # sending it may have found the connection gone
         if self._lib.nbd_aio_get_direction(self._h) & AIO_DIRECTION_WRITE:
             self._write_wanted.set()
