@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from fuse import cgroup
-from fuse.blockfile import DEFAULT_WORKERS, DISK, FSTYPE, REFRESH
+from fuse.blockfile import DEFAULT_WORKERS, DISK, FSTYPE, MAX_WORKERS, REFRESH, stop_bound
 from fuse.loop import (
     LoopError,
     attach_loop,
@@ -75,7 +75,6 @@ RECORD: Final = "attachment.json"
 LOG: Final = "blockfile.log"
 MOUNTPOINT: Final = "mnt"
 READY_TIMEOUT: Final = 60.0
-STOP_TIMEOUT: Final = 30.0
 _URI_SCHEMES: Final = ("nbd://", "nbds://", "nbd+unix://", "nbds+unix://")
 
 
@@ -345,8 +344,10 @@ def _still_ours(device: str, directory: Path) -> bool:
     return True
 
 
-def _undo(directory: Path, data: dict[str, Any] | None, timeout: float) -> bool:
-    """Take down whatever of an attachment exists; True if anything did."""
+def _undo(directory: Path, data: dict[str, Any] | None, timeout: float | None = None) -> bool:
+    """Take down whatever of an attachment exists; True if anything did.  The
+    process gets ``timeout`` seconds after SIGTERM (by default its own
+    :func:`fuse.blockfile.stop_bound` for the workers it was started with)."""
     mountpoint = directory / MOUNTPOINT
     file = os.fspath(mountpoint / DISK)
     did = False
@@ -358,6 +359,8 @@ def _undo(directory: Path, data: dict[str, Any] | None, timeout: float) -> bool:
         did |= detach_loop(device)  # LoopBusy (mounted) propagates: the caller unmounts first
     pid, start = (int(data.get("pid") or 0), int(data.get("pid_start") or 0)) if data else (0, 0)
     if _alive(pid, start):
+        if timeout is None:
+            timeout = stop_bound(_recorded_workers(data))
         _stop_process(pid, start, timeout)
         did = True
     if is_mounted(mountpoint):
@@ -371,6 +374,13 @@ def _undo(directory: Path, data: dict[str, Any] | None, timeout: float) -> bool:
     with contextlib.suppress(FileNotFoundError):
         directory.rmdir()
     return did or data is not None
+
+
+def _recorded_workers(data: dict[str, Any] | None) -> int:
+    try:
+        return max(1, int((data or {}).get("workers") or DEFAULT_WORKERS))
+    except (TypeError, ValueError):
+        return MAX_WORKERS  # unknown: the longest a process may take
 
 
 def attach_fuse_block(
@@ -406,7 +416,7 @@ def attach_fuse_block(
             return existing
         if data is not None or directory.exists():
             log.warning("%s: repairing a broken or half-made attachment", uri)
-            _undo(directory, data, STOP_TIMEOUT)
+            _undo(directory, data)
         (directory / MOUNTPOINT).mkdir(parents=True)
         record: dict[str, Any] = {
             "uri": uri,
@@ -432,7 +442,7 @@ def attach_fuse_block(
             _write_json(directory / RECORD, record)
         except BaseException:
             try:
-                _undo(directory, record, STOP_TIMEOUT)
+                _undo(directory, record)
             except Exception as e:  # the attach's own error is the one to report
                 log.error("%s: cleaning up a failed attach: %s", uri, e)
             raise
@@ -459,9 +469,13 @@ def _find(state_dir: str | os.PathLike[str], device_or_uri: str) -> str | None:
 
 
 def detach_fuse_block(
-    device_or_uri: str, state_dir: str | os.PathLike[str], *, timeout: float = STOP_TIMEOUT
+    device_or_uri: str, state_dir: str | os.PathLike[str], *, timeout: float | None = None
 ) -> bool:
     """Detach the loop device, stop the FUSE process, unmount, forget the record.
+
+    The process is SIGKILLed only ``timeout`` seconds after SIGTERM; by default
+    after its own worst-case stop (:func:`fuse.blockfile.stop_bound`: 41 s for
+    one process, 81 s with workers), so what it acknowledged is flushed.
 
     Idempotent: False when nothing of it was left.  A device still mounted
     raises :class:`fuse.loop.LoopBusy` and nothing is changed.
@@ -515,7 +529,7 @@ def reconcile_attachments(state_dir: str | os.PathLike[str]) -> list[str]:
                 continue
             attachment = _attachment(data) if data is not None else None
             if attachment is None:
-                _undo(directory, data, STOP_TIMEOUT)
+                _undo(directory, data)
                 report.append(f"{directory.name}: half-made attachment removed")
             elif not _healthy(attachment):
                 report.append(f"{attachment.uri} on {attachment.device}: broken")

@@ -130,6 +130,8 @@ MAX_WORKERS: Final = 16
 WORKER_READY_TIMEOUT: Final = 30.0
 # a worker's own graceful stop (requests under way, then its final flush), and some
 WORKER_STOP_TIMEOUT: Final = ABANDON_AFTER + FINAL_FLUSH_TIMEOUT + 4.0
+# past its bounded waits, the time a stopping process takes to unmount and exit
+EXIT_MARGIN: Final = 5.0
 WORKER_RESTART_MAX: Final = 5.0  # seconds between restarts of a worker that keeps dying
 # a refresh waits this long for the other workers to reconnect
 REFRESH_WAIT: Final = CONNECT_TIMEOUT + 5.0
@@ -1053,6 +1055,19 @@ def serve(
         if shared is not None:
             shared.close()
         stop.restore()
+
+
+def stop_bound(workers: int) -> float:
+    """The longest a block-file process started with ``workers`` processes takes
+    to exit after one SIGTERM, by its own bounds: the requests under way
+    (``ABANDON_AFTER``), the other workers' stops (``WORKER_STOP_TIMEOUT``, each
+    SIGKILLed past it), the final flush (``FINAL_FLUSH_TIMEOUT``), then unmount
+    and exit (``EXIT_MARGIN``).  Whoever stops it waits this long before SIGKILL,
+    so a process that is still flushing what it acknowledged is never killed."""
+    bound = ABANDON_AFTER + FINAL_FLUSH_TIMEOUT + EXIT_MARGIN
+    if workers > 1:
+        bound += WORKER_STOP_TIMEOUT
+    return bound
 
 
 def _share(connections: int, workers: int) -> int:

@@ -200,3 +200,25 @@ def test_a_mount_point_is_checked_without_looking_into_its_mount(
     monkeypatch.setattr(table, "mount_entries", lambda: [])
     assert KubeletPaths(root).check(str(target), "target_path") == target
     assert str(target) in looked_into  # not a mount point: its own symlinks are resolved
+
+
+@pytest.mark.parametrize("workers", [1, 4, "x"])
+def test_detach_gives_the_fuse_process_its_whole_stop_before_sigkill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: object
+) -> None:
+    """A block-file process still in its final flush is not killed: detach waits
+    its own worst-case stop (requests under way, the workers', the flush)."""
+    from fuse import blockfile
+    from fuse.process import ABANDON_AFTER
+
+    record = {"uri": URI, "state": "attached", "pid": 4242, "pid_start": 7, "workers": workers}
+    _fuse_record(tmp_path, json.dumps(record))
+    waits: list[float] = []
+    monkeypatch.setattr(blockdev, "_alive", lambda pid, start: (pid, start) == (4242, 7))
+    monkeypatch.setattr(blockdev, "_stop_process", lambda pid, start, wait: waits.append(wait))
+
+    assert blockdev.detach_fuse_block(URI, tmp_path)
+    own_stop = ABANDON_AFTER + blockfile.FINAL_FLUSH_TIMEOUT
+    if workers != 1:  # several processes, or a record that does not say: the longest
+        own_stop += blockfile.WORKER_STOP_TIMEOUT
+    assert len(waits) == 1 and waits[0] > own_stop
