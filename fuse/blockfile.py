@@ -18,9 +18,9 @@ Choices, and why:
   ~6,000 IOPS (docs/performance.md, section 6).  The block file needs a
   small part of the protocol (:mod:`fuse.fuseproto`), so it reads
   ``/dev/fuse`` itself, non-blocking, every request there is on each
-  wake-up; a READ or WRITE goes to libnbd at once
-  (:meth:`nbd.aio.AioConnection.submit_pread`), and its reply is written to
-  ``/dev/fuse`` from libnbd's completion callback: no task and no event per
+  wake-up; a READ or WRITE goes to the NBD connection at once
+  (``submit_pread`` of :mod:`nbd.pipeline` or :mod:`nbd.aio`), and its reply is written to
+  ``/dev/fuse`` from its completion callback: no task and no event per
   request.  What is rare (flush, fsync, fallocate, refresh, a request that
   meets a lost connection) runs in a trio task through the awaitable
   methods of the export, which reconnect, fail over and bound the wait, as
@@ -96,11 +96,11 @@ from fuse.nbdconnections import (
     DEFAULT_CONNECTIONS,
     DEFAULT_IO_TIMEOUT,
     MAX_IO_TIMEOUT,
+    Connection,
     ExportConnections,
     ExportUnavailable,
 )
 from fuse.process import ABANDON_AFTER, EarlyStop, ReadySignal, configure_logging
-from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -523,10 +523,10 @@ class BlockFile:
     def _failed(
         self,
         unique: int,
-        conn: AioConnection,
+        conn: Connection,
         error: int,
         what: str,
-        again: Callable[[AioConnection], Awaitable[None]],
+        again: Callable[[Connection], Awaitable[None]],
         then: Callable[[], None] | None = None,
     ) -> None:
         """A request sent without a task failed: the server's answer is passed on, a
