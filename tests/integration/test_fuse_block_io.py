@@ -25,6 +25,7 @@ import mmap
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -73,21 +74,56 @@ def aligned(data: bytes) -> mmap.mmap:
     return buf
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "client"), [(1, "pipelined"), (2, "pipelined"), (1, "libnbd")])
 def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
-    server: NBDServerProcess, stack: BlockStack, workers: int
+    server: NBDServerProcess,
+    stack: BlockStack,
+    workers: int,
+    client: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both NBD clients of the block file (nbd.pipeline on a plain socket, the default;
+    libnbd, what TLS uses) carry the bytes both ways."""
+    monkeypatch.setenv("MOORAGE_NBD_CLIENT", client)  # the FUSE processes inherit it
     attachment = stack.attach(server.uri("disk"), workers=workers)
+    assert f"{client} client" in Path(attachment.log_file).read_text()
     assert len(_processes(attachment.pid, workers)) == workers
     status = loop_status(attachment.device)
     assert status is not None and status.direct_io, status
     name = os.path.basename(attachment.device)
     assert Path(f"/sys/block/{name}/loop/dio").read_text().strip() == "1"
+    _bytes_both_ways(attachment.device, server.uri("disk"))
 
+
+def test_the_pipelined_client_over_a_unix_socket(stack: BlockStack, tmp_path: Path) -> None:
+    """nbd+unix:// is plain too: the pipelined client, the bytes both ways."""
+    sock = tmp_path / "nbd.sock"
+    image = sparse_image(tmp_path / "unix.img", IMAGE_SIZE)
+    argv = [sys.executable, "-m", "moorage", "nbd", "serve", "--export", f"disk={image}"]
+    with (tmp_path / "unix-server.log").open("wb") as out:
+        proc = subprocess.Popen([*argv, "--unix", str(sock)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + PROMPTLY
+        while not sock.is_socket():
+            assert proc.poll() is None, (tmp_path / "unix-server.log").read_text()
+            assert time.monotonic() < deadline, "no unix socket"
+            time.sleep(0.05)
+        uri = f"nbd+unix:///disk?socket={sock}"
+        attachment = stack.attach(uri)
+        assert "pipelined client" in Path(attachment.log_file).read_text()
+        _bytes_both_ways(attachment.device, uri)
+        stack.detach(attachment)
+    finally:
+        stop_process(proc, 20)
+
+
+def _bytes_both_ways(device: str, uri: str) -> None:
+    """What is written through ``device`` with O_DIRECT is what an NBD client reads from
+    the export at ``uri``, byte for byte, and the other way round."""
     # through the loop device (O_DIRECT, scattered 4 KiB and 1 MiB writes) -> the export
     pieces = {offset: os.urandom(4096) for offset in range(0, 64 * 4096, 2 * 4096)}
     pieces[8 * MiB] = os.urandom(MiB)
-    fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+    fd = os.open(device, os.O_RDWR | os.O_DIRECT)
     try:
         for offset, data in pieces.items():
             with aligned(data) as buf:
@@ -95,14 +131,14 @@ def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
         os.fsync(fd)
     finally:
         os.close(fd)
-    with NBDClient.open(server.uri("disk"), meta_contexts=()) as client:
+    with NBDClient.open(uri, meta_contexts=()) as client:
         for offset, data in pieces.items():
             assert client.pread(len(data), offset) == data, f"offset {offset}"
         # the export -> through the loop device
         back = os.urandom(2 * MiB)
         client.pwrite(back, 32 * MiB)
         client.flush()
-    fd = os.open(attachment.device, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(device, os.O_RDONLY | os.O_DIRECT)
     try:
         with mmap.mmap(-1, len(back)) as buf:
             assert os.preadv(fd, [buf], 32 * MiB) == len(back)
