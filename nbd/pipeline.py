@@ -211,7 +211,8 @@ class PipelinedConnection:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        """Requests sent and not yet answered (a read whose data is arriving included)."""
+        return len(self._pending) + (self._into is not None)
 
     @property
     def alive(self) -> bool:
@@ -457,9 +458,12 @@ class PipelinedConnection:
         ``timeout`` seconds or more before ``now`` (trio time): every request in
         flight then fails with ``ETIMEDOUT`` and :attr:`stalled_since` says when
         that request was sent."""
-        if not self.alive or not self._pending:
+        if not self.alive or not self.in_flight:
             return False
-        sent = next(iter(self._pending.values())).sent
+        # the oldest: a read whose data stopped coming, or the first still unanswered
+        oldest = [self._into] if self._into is not None else []
+        oldest += [next(iter(self._pending.values()))] if self._pending else []
+        sent = min(request.sent for request in oldest)
         if now - sent < timeout:
             return False
         self.stalled_since = sent
@@ -488,7 +492,7 @@ class PipelinedConnection:
 
     async def drain(self) -> None:
         """Wait until no request is in flight on this connection."""
-        while self._pending and self.alive:
+        while self.in_flight and self.alive:
             await trio.sleep(0.005)
 
 

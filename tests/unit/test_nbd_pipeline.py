@@ -274,3 +274,47 @@ async def test_close_fails_what_is_in_flight_once(
     conn.close()
     conn.close()
     assert out.calls == {"a": [errno.ENOTCONN]} and not conn.alive
+
+
+async def test_a_read_whose_data_stops_coming_is_expired(
+    pair: tuple[PipelinedConnection, socket.socket],
+) -> None:
+    """The watchdog sees a read whose reply began but whose data stalled."""
+    conn, _ = pair
+    out = Outcomes()
+    conn.submit_pread(bytearray(4096), 4096, 0, out.done("a"))
+    sent = trio.current_time()
+    feed(conn, reply(1, 0, b"\x01" * 10))
+    assert conn.in_flight == 1 and out.calls == {"a": []}
+    assert not conn.expire(5.0, sent + 4.9)
+    assert conn.expire(5.0, sent + 5.0)
+    assert out.calls == {"a": [errno.ETIMEDOUT]} and conn.in_flight == 0
+
+
+class CountingSocket:
+    """The connection's socket, counting ``sendmsg`` calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sendmsgs = 0
+
+    def sendmsg(self, buffers: list[bytes]) -> int:
+        self.sendmsgs += 1
+        return self.sock.sendmsg(buffers)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+async def test_a_batch_of_requests_leaves_in_one_sendmsg(
+    pair: tuple[PipelinedConnection, socket.socket],
+) -> None:
+    conn, server = pair
+    counting = CountingSocket(conn._sock)
+    conn._sock = counting  # type: ignore[assignment]
+    out = Outcomes()
+    for i in range(32):  # what one /dev/fuse wake-up queues, without yielding
+        conn.submit_pread(bytearray(4096), 4096, i * 4096, out.done(f"r{i}"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert counting.sendmsgs == 1
+    assert len(await trio.to_thread.run_sync(requests, server, 32)) == 32
