@@ -232,13 +232,23 @@ class PipelinedConnection:
     ) -> None:
         if not self.alive:
             raise self._gone()
+        # refused before anything is recorded: a refused request leaves no trace
+        size = self.client.get_size()
+        if offset < 0 or length < 0 or length >= 1 << 32 or offset + length > size:
+            raise error_for(
+                f"{command.name} of {length} bytes at {offset}: outside the export's {size} bytes",
+                errno.EINVAL,
+            )
+        if into is not None and into.nbytes < length:
+            raise error_for(
+                f"a read of {length} bytes into a buffer of {into.nbytes}", errno.EINVAL
+            )
+        cookie = self._cookies + 1
+        header = REQUEST.pack(REQUEST_MAGIC, int(flags), int(command), cookie, offset, length)
         self._start_tasks()
-        self._cookies += 1
-        cookie = self._cookies
+        self._cookies = cookie
         self._pending[cookie] = _Request(into, done, trio.current_time())
-        self._out.append(
-            REQUEST.pack(REQUEST_MAGIC, int(flags), int(command), cookie, offset, length)
-        )
+        self._out.append(header)
         if payload is not None and length:
             self._out.append(payload)
         self._send_wanted.set()

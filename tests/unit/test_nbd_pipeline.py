@@ -30,11 +30,15 @@ FLAGS = (
     | TransmissionFlag.CAN_MULTI_CONN
 )
 
+EXPORT_SIZE = 16 << 20
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PipelinedConnection, socket.socket]]:
     ours, server = socket.socketpair()
-    conn = PipelinedConnection(PlainClient(Negotiated(ours, "disk", 1 << 20, FLAGS, None, False)))
+    conn = PipelinedConnection(
+        PlainClient(Negotiated(ours, "disk", EXPORT_SIZE, FLAGS, None, False))
+    )
     try:
         yield conn, server
     finally:
@@ -97,7 +101,7 @@ def test_plain_uris_only() -> None:
 
 def test_what_the_handshake_told(pair: tuple[PipelinedConnection, socket.socket]) -> None:
     client = pair[0].client
-    assert client.get_size() == 1 << 20
+    assert client.get_size() == EXPORT_SIZE
     assert client.can_flush() and client.can_zero() and client.can_multi_conn()
     assert not client.is_read_only() and not client.can_trim()
 
@@ -116,7 +120,7 @@ async def test_replies_split_at_every_byte_out_of_order_with_an_error() -> None:
     for split in range(len(stream) + 1):
         ours, server = socket.socketpair()
         conn = PipelinedConnection(
-            PlainClient(Negotiated(ours, "disk", 1 << 20, FLAGS, None, False))
+            PlainClient(Negotiated(ours, "disk", EXPORT_SIZE, FLAGS, None, False))
         )
         try:
             out = Outcomes()
@@ -318,3 +322,32 @@ async def test_a_batch_of_requests_leaves_in_one_sendmsg(
     await trio.testing.wait_all_tasks_blocked()
     assert counting.sendmsgs == 1
     assert len(await trio.to_thread.run_sync(requests, server, 32)) == 32
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "target"),
+    [
+        (-1, 8, 8),  # negative offset
+        (EXPORT_SIZE - 4, 8, 8),  # past the end
+        (0, 1 << 32, 8),  # a length the header cannot carry
+        (0, 8, 4),  # a buffer shorter than the read
+    ],
+)
+async def test_a_refused_request_leaves_no_trace(
+    pair: tuple[PipelinedConnection, socket.socket], offset: int, length: int, target: int
+) -> None:
+    """EINVAL before anything is recorded: nothing in flight, no callback, the
+    connection alive and serving the next request."""
+    conn, server = pair
+    result: list[int] = []
+    with pytest.raises(NBDError) as refused:
+        conn.submit_pread(bytearray(target), length, offset, result.append)
+    assert refused.value.errno == errno.EINVAL
+    assert conn.in_flight == 0 and conn.alive and not result
+    conn.submit_pread(bytearray(8), 8, 0, result.append)
+    (cookie,) = [r[2] for r in await trio.to_thread.run_sync(requests, server, 1)]
+    await trio.to_thread.run_sync(server.sendall, reply(cookie, 0, b"12345678"))
+    with trio.fail_after(10):
+        while not result:
+            await trio.sleep(0.01)
+    assert result == [0]
