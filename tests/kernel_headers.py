@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 INCLUDE = Path("/usr/include")
@@ -86,3 +87,18 @@ def header_constants(path: Path, env: dict[str, int | str] | None = None) -> dic
 def _require(path: Path) -> Path:
     assert path.exists(), f"{path} missing: install linux-libc-dev (deploy/host/install-deps.sh)"
     return path
+
+
+def compiled_values(headers: list[str], printfs: list[str], directory: Path) -> dict[str, int]:
+    """What the C compiler makes of ``headers``: a program of ``printfs`` (each
+    printing ``name value``) built with gcc in ``directory`` and run; name -> value."""
+    includes = "".join(f"#include <{h}>\n" for h in ["stddef.h", "stdio.h", *headers])
+    source = includes + "int main(void) {\n" + "\n".join(printfs) + "\nreturn 0;\n}\n"
+    c_file, binary = directory / "values.c", directory / "values"
+    c_file.write_text(source)
+    compiled = subprocess.run(
+        ["gcc", "-o", str(binary), str(c_file)], capture_output=True, text=True, timeout=60
+    )
+    assert compiled.returncode == 0, compiled.stderr
+    out = subprocess.run([str(binary)], capture_output=True, text=True, timeout=10, check=True)
+    return {name: int(value) for name, value in (line.split() for line in out.stdout.splitlines())}

@@ -8,12 +8,12 @@ definitions must agree field by field.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from fuse import loop
+from tests.kernel_headers import compiled_values
 
 CONSTANTS = [
     "LO_NAME_SIZE",
@@ -54,19 +54,7 @@ def header_values(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
         f'printf("config.{ours} %zu\\n", offsetof(struct loop_config, {theirs}));'
         for ours, theirs in CONFIG_FIELDS.items()
     ]
-    source = (
-        "#include <stddef.h>\n#include <stdio.h>\n#include <linux/loop.h>\n"
-        "int main(void) {\n" + "\n".join(lines) + "\nreturn 0;\n}\n"
-    )
-    directory = tmp_path_factory.mktemp("loop_h")
-    c_file, binary = directory / "loop_h.c", directory / "loop_h"
-    c_file.write_text(source)
-    compiled = subprocess.run(
-        ["gcc", "-o", str(binary), str(c_file)], capture_output=True, text=True, timeout=60
-    )
-    assert compiled.returncode == 0, compiled.stderr
-    out = subprocess.run([str(binary)], capture_output=True, text=True, timeout=10, check=True)
-    return {name: int(value) for name, value in (line.split() for line in out.stdout.splitlines())}
+    return compiled_values(["linux/loop.h"], lines, tmp_path_factory.mktemp("loop_h"))
 
 
 def test_header_is_installed() -> None:

@@ -15,7 +15,6 @@ import errno
 import os
 import stat
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from fuse.blockfile import (
     REFRESH_INODE,
     BlockFile,
 )
+from tests.kernel_headers import compiled_values
 
 # (struct name, our struct.Struct, fields before a nested struct or all of them)
 SIZES = {
@@ -114,20 +114,8 @@ def header_values(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
     ]
     lines += [f'printf("{n} %llu\\n", (unsigned long long)({n}));' for n in CONSTANTS]
     lines += [f'printf("offset.{s}.{f} %zu\\n", offsetof(struct {s}, {f}));' for s, f, _ in OFFSETS]
-    source = (
-        "#include <stddef.h>\n#include <stdio.h>\n#include <stdint.h>\n"
-        "#include <linux/fuse.h>\n#include <sys/ioctl.h>\n"
-        "int main(void) {\n" + "\n".join(lines) + "\nreturn 0;\n}\n"
-    )
-    directory = tmp_path_factory.mktemp("fuse_h")
-    c_file, binary = directory / "fuse_h.c", directory / "fuse_h"
-    c_file.write_text(source)
-    compiled = subprocess.run(
-        ["gcc", "-o", str(binary), str(c_file)], capture_output=True, text=True, timeout=60
-    )
-    assert compiled.returncode == 0, compiled.stderr
-    out = subprocess.run([str(binary)], capture_output=True, text=True, timeout=10, check=True)
-    return {name: int(value) for name, value in (line.split() for line in out.stdout.splitlines())}
+    headers = ["stdint.h", "linux/fuse.h", "sys/ioctl.h"]
+    return compiled_values(headers, lines, tmp_path_factory.mktemp("fuse_h"))
 
 
 def test_header_is_installed() -> None:
