@@ -16,6 +16,17 @@ which negotiates neither structured replies nor extended headers: every
 reply is a 16-byte simple reply, followed for a successful READ by its
 data.  TLS stays with libnbd (:mod:`nbd.aio`).
 
+Block sizes: the handshake asks for ``NBD_INFO_BLOCK_SIZE``, so the spec
+binds the client to what the server advertises.  A request whose offset or
+length is not a multiple of the minimum block size is refused with EINVAL
+before anything is recorded or sent (libnbd's strict mode answers so too).
+A READ or WRITE longer than the maximum payload is not refused: it leaves as
+several requests of at most the maximum (rounded down to the minimum), whose
+caller sees one request completed once every part is answered.  Without an
+advertised maximum the spec's interoperable 32 MiB is used.  WRITE_ZEROES
+and TRIM carry no payload, and the spec lets their length exceed the
+maximum: they are sent whole.
+
 When the connection dies (end of stream, a socket error, a reply that is
 not a simple reply or names no request in flight, the watchdog's
 :meth:`PipelinedConnection.expire`, :meth:`PipelinedConnection.close`)
@@ -39,6 +50,7 @@ import trio
 from nbd import client as handshake_client
 from nbd.codec import REQUEST, SIMPLE_REPLY
 from nbd.constants import (
+    MAX_PAYLOAD,
     REQUEST_MAGIC,
     SIMPLE_REPLY_MAGIC,
     Command,
@@ -90,7 +102,12 @@ def is_plain(uri: str) -> bool:
 
 class PlainClient:
     """An export negotiated on a plain socket, in transmission phase: what
-    :class:`~nbd.libnbd.NBDClient` tells of an export, for one connection."""
+    :class:`~nbd.libnbd.NBDClient` tells of an export, for one connection.
+
+    ``minimum``: the alignment every request's offset and length must have (1
+    when the server advertised none).  ``max_payload``: the longest READ or
+    WRITE sent as one request: the advertised maximum (32 MiB when none was)
+    rounded down to a multiple of ``minimum``, at least ``minimum``."""
 
     def __init__(self, negotiated: handshake_client.Negotiated) -> None:
         if isinstance(negotiated.sock, ssl.SSLSocket):
@@ -99,6 +116,10 @@ class PlainClient:
         self.sock = negotiated.sock
         self._flags = negotiated.transmission_flags
         self._closed = False
+        sizes = negotiated.block_size
+        self.minimum: int = sizes.minimum if sizes is not None else 1
+        maximum = min(sizes.maximum if sizes is not None else MAX_PAYLOAD, (1 << 32) - 1)
+        self.max_payload: int = max(self.minimum, maximum - maximum % self.minimum)
 
     @classmethod
     def open(cls, uri: str, timeout: float = 30.0) -> PlainClient:
@@ -169,6 +190,25 @@ class _Waiter:
         self.event.set()
 
 
+class _Joined:
+    """The completion of a request sent in parts: ``done`` once every part is
+    answered, with the first error any part had (0: all succeeded)."""
+
+    __slots__ = ("done", "error", "left")
+
+    def __init__(self, parts: int, done: Callable[[int], None]) -> None:
+        self.done = done
+        self.error = 0
+        self.left = parts
+
+    def __call__(self, error: int) -> None:
+        if error and not self.error:
+            self.error = error
+        self.left -= 1
+        if self.left == 0:
+            self.done(self.error)
+
+
 def _bytes_view(target: Any) -> memoryview:
     view = memoryview(target)
     if view.readonly:
@@ -220,6 +260,28 @@ class PipelinedConnection:
 
     # ---------------------------------------------------------------- requests
 
+    def _check(self, command: Command, offset: int, length: int, flags: int) -> None:
+        """Refuse (EINVAL) a request the server must not be sent: outside the export,
+        longer than a header can say, or not aligned to the minimum block size.  Before
+        anything is recorded: a refused request leaves no trace."""
+        if not self.alive:
+            raise self._gone()
+        size = self.client.get_size()
+        if offset < 0 or length < 0 or length >= 1 << 32 or offset + length > size:
+            raise error_for(
+                f"{command.name} of {length} bytes at {offset}: outside the export's {size} bytes",
+                errno.EINVAL,
+            )
+        if not 0 <= flags < 1 << 16:
+            raise error_for(f"{command.name} flags {flags:#x}", errno.EINVAL)
+        minimum = self.client.minimum
+        if offset % minimum or length % minimum:
+            raise error_for(
+                f"{command.name} of {length} bytes at {offset}: not aligned to the export's "
+                f"minimum block size {minimum}",
+                errno.EINVAL,
+            )
+
     def _queue(
         self,
         command: Command,
@@ -230,19 +292,49 @@ class PipelinedConnection:
         into: memoryview | None = None,
         payload: ReadableBuffer | None = None,
     ) -> None:
-        if not self.alive:
-            raise self._gone()
-        # refused before anything is recorded: a refused request leaves no trace
-        size = self.client.get_size()
-        if offset < 0 or length < 0 or length >= 1 << 32 or offset + length > size:
+        self._check(command, offset, length, flags)
+        self._send(command, offset, length, flags, done, into, payload)
+
+    def _queue_data(
+        self,
+        command: Command,
+        offset: int,
+        length: int,
+        flags: int,
+        done: Callable[[int], None],
+        data: memoryview,
+    ) -> None:
+        """A READ into ``data`` or a WRITE of it, in parts of at most the maximum
+        payload if it is longer (``done`` then once, when every part is answered)."""
+        self._check(command, offset, length, flags)
+        reading = command == Command.READ
+        if reading and data.nbytes < length:
             raise error_for(
-                f"{command.name} of {length} bytes at {offset}: outside the export's {size} bytes",
-                errno.EINVAL,
+                f"a read of {length} bytes into a buffer of {data.nbytes}", errno.EINVAL
             )
-        if into is not None and into.nbytes < length:
-            raise error_for(
-                f"a read of {length} bytes into a buffer of {into.nbytes}", errno.EINVAL
-            )
+        step = self.client.max_payload
+        starts = range(0, length, step) if length else range(1)
+        if len(starts) > 1:
+            done = _Joined(len(starts), done)
+        for start in starts:
+            part = data[start : start + min(step, length - start)]
+            if reading:
+                self._send(command, offset + start, part.nbytes, flags, done, part, None)
+            else:
+                self._send(command, offset + start, part.nbytes, flags, done, None, part)
+
+    def _send(
+        self,
+        command: Command,
+        offset: int,
+        length: int,
+        flags: int,
+        done: Callable[[int], None],
+        into: memoryview | None,
+        payload: ReadableBuffer | None,
+    ) -> None:
+        """Record and queue a request already checked (:meth:`_check`)."""
+        assert command not in (Command.READ, Command.WRITE) or length <= self.client.max_payload
         cookie = self._cookies + 1
         header = REQUEST.pack(REQUEST_MAGIC, int(flags), int(command), cookie, offset, length)
         self._start_tasks()
@@ -261,14 +353,12 @@ class PipelinedConnection:
         ``done(errno)`` is called from the trio thread when it is answered (0: the
         data is there) or fails.  Raises :class:`NBDError` if the connection is gone
         (then ``done`` is never called)."""
-        view = _bytes_view(target)
-        if view.nbytes != length:
-            view = view[:length]
-        self._queue(Command.READ, offset, length, 0, done, into=view)
+        self._queue_data(Command.READ, offset, length, 0, done, _bytes_view(target))
 
     def submit_pwrite(self, data: bytes, offset: int, done: Callable[[int], None]) -> None:
         """Like :meth:`submit_pread`, for a write of ``data`` (not to change until done)."""
-        self._queue(Command.WRITE, offset, len(data), 0, done, payload=data)
+        view = memoryview(data).cast("B")
+        self._queue_data(Command.WRITE, offset, view.nbytes, 0, done, view)
 
     async def _wait(self, waiter: _Waiter) -> None:
         # A cancelled wait leaves the request to finish on the wire: its buffer stays
@@ -280,13 +370,13 @@ class PipelinedConnection:
     async def pread_into(self, buffer: WriteableBuffer, offset: int, flags: int = 0) -> None:
         view = _bytes_view(buffer)
         waiter = _Waiter()
-        self._queue(Command.READ, offset, view.nbytes, flags, waiter, into=view)
+        self._queue_data(Command.READ, offset, view.nbytes, flags, waiter, view)
         await self._wait(waiter)
 
     async def pwrite(self, data: ReadableBuffer, offset: int, flags: int = 0) -> None:
-        payload = bytes(data)
+        payload = memoryview(bytes(data))
         waiter = _Waiter()
-        self._queue(Command.WRITE, offset, len(payload), flags, waiter, payload=payload)
+        self._queue_data(Command.WRITE, offset, payload.nbytes, flags, waiter, payload)
         await self._wait(waiter)
 
     async def flush(self) -> None:

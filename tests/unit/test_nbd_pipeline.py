@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import random
 import socket
 from collections.abc import Callable, Iterator
 
@@ -18,8 +19,8 @@ import pytest
 import trio
 
 from nbd import codec
-from nbd.client import Negotiated
-from nbd.constants import REQUEST_MAGIC, Command, TransmissionFlag
+from nbd.client import BlockSize, Negotiated
+from nbd.constants import MAX_PAYLOAD, REQUEST_MAGIC, Command, TransmissionFlag
 from nbd.libnbd import NBDError
 from nbd.pipeline import PipelinedConnection, PlainClient, is_plain
 
@@ -351,3 +352,194 @@ async def test_a_refused_request_leaves_no_trace(
         while not result:
             await trio.sleep(0.01)
     assert result == [0]
+
+
+# ------------------------------------------------------------- block sizes
+
+
+def sized(minimum: int, maximum: int) -> tuple[PipelinedConnection, socket.socket]:
+    """A connection to an export that advertised these block sizes, and its server end."""
+    ours, server = socket.socketpair()
+    sizes = BlockSize(minimum, max(minimum, 512), maximum)
+    negotiated = Negotiated(
+        ours, "disk", EXPORT_SIZE, FLAGS | TransmissionFlag.SEND_TRIM, sizes, False
+    )
+    return PipelinedConnection(PlainClient(negotiated)), server
+
+
+def test_block_sizes_the_handshake_did_not_tell_are_the_specs_defaults(
+    pair: tuple[PipelinedConnection, socket.socket],
+) -> None:
+    client = pair[0].client
+    assert (client.minimum, client.max_payload) == (1, MAX_PAYLOAD)
+
+
+@pytest.mark.parametrize(
+    ("minimum", "maximum", "step"),
+    [
+        (512, 65536, 65536),
+        (4096, 10000, 8192),
+        (4096, 1024, 4096),
+        (1, (1 << 32) - 1, (1 << 32) - 1),
+    ],
+)
+def test_the_longest_read_or_write_is_the_maximum_in_whole_blocks(
+    minimum: int, maximum: int, step: int
+) -> None:
+    conn, server = sized(minimum, maximum)
+    try:
+        assert conn.client.minimum == minimum and conn.client.max_payload == step
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_a_request_not_aligned_to_the_minimum_block_is_refused_without_a_trace() -> None:
+    """EINVAL before anything is recorded, for every command with an offset and a
+    length (what libnbd's strict mode does); the next aligned request is the first
+    the server sees."""
+    conn, server = sized(4096, 1 << 20)
+    try:
+        out = Outcomes()
+        refused: list[Callable[[], None]] = [
+            lambda: conn.submit_pread(bytearray(4096), 4096, 512, out.done("r")),
+            lambda: conn.submit_pread(bytearray(1000), 1000, 0, out.done("r2")),
+            lambda: conn.submit_pwrite(b"x" * 4096, 2048, out.done("w")),
+            lambda: conn.submit_pwrite(b"x" * 4097, 0, out.done("w2")),
+        ]
+        for submit in refused:
+            with pytest.raises(NBDError) as e:
+                submit()
+            assert e.value.errno == errno.EINVAL
+        for call in (
+            conn.pread_into(bytearray(512), 0),
+            conn.pwrite(b"y" * 4096, 100),
+            conn.zero(4096, 4095),
+            conn.trim(100, 0),
+        ):
+            with pytest.raises(NBDError) as e:
+                await call
+            assert e.value.errno == errno.EINVAL
+        assert conn.in_flight == 0 and conn.alive
+        assert all(calls == [] for calls in out.calls.values())
+        assert not conn.expire(0.0, trio.current_time() + 1000)
+        conn.submit_pread(bytearray(8192), 8192, 4096, out.done("ok"))
+        seen = await trio.to_thread.run_sync(requests, server, 1)
+        assert seen == [(0, Command.READ, 1, 4096, 8192)]
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_a_read_or_write_over_the_maximum_goes_in_parts_answered_as_one() -> None:
+    """A server that advertised a 64 KiB maximum is never sent more in one request;
+    the caller's one request completes once, when its last part is answered, with
+    the parts' data where they belong."""
+    conn, server = sized(512, 65536)
+    try:
+        length = 200 * 1024  # 3 parts of 64 KiB and one of 8 KiB
+        parts = [(0, 65536), (65536, 65536), (131072, 65536), (196608, 8192)]
+        data = random.Random(1).randbytes(length)
+        out = Outcomes()
+        conn.submit_pwrite(data, 1 << 20, out.done("w"))
+        target = bytearray(length)
+        conn.submit_pread(target, length, 2 << 20, out.done("r"))
+        assert conn.in_flight == 8
+        seen = await trio.to_thread.run_sync(requests_and_payloads, server, 8, 65536)
+        assert [(r[1], r[3], r[4]) for r, _ in seen] == [
+            (Command.WRITE, (1 << 20) + o, n) for o, n in parts
+        ] + [(Command.READ, (2 << 20) + o, n) for o, n in parts]
+        assert b"".join(p for _, p in seen[:4]) == data
+        cookies = [r[2] for r, _ in seen]
+        # answered last part first: nothing completes before the last part is answered
+        for i in reversed(range(4)):
+            assert out.calls == {"w": [], "r": []}
+            offset, n = parts[i]
+            stream = reply(cookies[i]) + reply(cookies[4 + i], 0, data[offset : offset + n])
+            feed(conn, stream)
+        assert out.calls == {"w": [0], "r": [0]}
+        assert target == data and conn.in_flight == 0 and conn.alive
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_a_request_in_parts_fails_once_with_its_parts_error() -> None:
+    conn, server = sized(512, 65536)
+    try:
+        out = Outcomes()
+        conn.submit_pread(bytearray(3 * 65536), 3 * 65536, 0, out.done("r"))
+        cookies = [
+            r[2] for r, _ in await trio.to_thread.run_sync(requests_and_payloads, server, 3, 0)
+        ]
+        feed(conn, reply(cookies[0], 0, bytes(65536)) + reply(cookies[1], errno.ENOSPC))
+        assert out.calls == {"r": []}  # a part is still in flight
+        feed(conn, reply(cookies[2], 0, bytes(65536)))
+        assert out.calls == {"r": [errno.ENOSPC]}
+        # a connection that dies fails each unanswered part, the request once
+        conn.submit_pwrite(bytes(4 * 65536), 0, out.done("w"))
+        await trio.to_thread.run_sync(requests_and_payloads, server, 4, 65536)
+        conn.close()
+        assert out.calls == {"r": [errno.ENOSPC], "w": [errno.ENOTCONN]}
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_zeroes_and_trims_longer_than_the_maximum_go_whole() -> None:
+    """They carry no payload: the spec lets their length exceed the maximum."""
+    conn, server = sized(512, 65536)
+    try:
+
+        async def answer() -> None:
+            for _ in range(2):
+                ((request, _),) = await trio.to_thread.run_sync(requests_and_payloads, server, 1, 0)
+                server.sendall(reply(request[2]))
+                seen.append(request)
+
+        seen: list[tuple[int, int, int, int, int]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await conn.zero(1 << 20, 0)
+            await conn.trim(1 << 20, 1 << 20)
+        assert [(r[1], r[3], r[4]) for r in seen] == [
+            (Command.WRITE_ZEROES, 0, 1 << 20),
+            (Command.TRIM, 1 << 20, 1 << 20),
+        ]
+    finally:
+        conn.close()
+        server.close()
+
+
+# ------------------------------------------------------------- the server side
+
+
+def requests_and_payloads(
+    server: socket.socket, count: int, piece: int
+) -> list[tuple[tuple[int, int, int, int, int], bytes]]:
+    """``count`` requests as the server reads them, ``piece`` bytes per recv at most
+    (0: as much as there is), each with its payload (a WRITE's; else empty)."""
+    server.settimeout(10)
+    buffer = bytearray()
+
+    def more() -> None:
+        got = server.recv(piece or 1 << 20)
+        if not got:
+            raise ConnectionError("the client closed the connection")
+        buffer.extend(got)
+
+    out: list[tuple[tuple[int, int, int, int, int], bytes]] = []
+    while len(out) < count:
+        while len(buffer) < codec.REQUEST.size:
+            more()
+        magic, flags, type_, cookie, offset, length = codec.REQUEST.unpack_from(buffer)
+        assert magic == REQUEST_MAGIC
+        del buffer[: codec.REQUEST.size]
+        payload = b""
+        if type_ == Command.WRITE:
+            while len(buffer) < length:
+                more()
+            payload = bytes(buffer[:length])
+            del buffer[:length]
+        out.append(((flags, type_, cookie, offset, length), payload))
+    return out
