@@ -543,3 +543,61 @@ def requests_and_payloads(
             del buffer[:length]
         out.append(((flags, type_, cookie, offset, length), payload))
     return out
+
+
+# ------------------------------------------------------------- a full socket
+
+
+class PartialSocket(CountingSocket):
+    """The connection's socket, counting the ``sendmsg`` calls that sent only part."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self.partial = 0
+
+    def sendmsg(self, buffers: list[bytes]) -> int:
+        sent = super().sendmsg(buffers)
+        if sent < sum(memoryview(b).nbytes for b in buffers):
+            self.partial += 1
+        return sent
+
+
+async def test_writes_through_a_full_socket_arrive_whole_and_in_order(
+    pair: tuple[PipelinedConnection, socket.socket],
+) -> None:
+    """Several MiB of writes, with reads in between, into a socket the server empties
+    7,777 bytes at a time: sendmsg sends part of a batch again and again, and every
+    byte of every payload arrives where it belongs (a request resumed at the wrong
+    offset, or its rest put on the wrong buffer, shows as a payload that differs)."""
+    conn, server = pair
+    partial = PartialSocket(conn._sock)
+    conn._sock = partial  # type: ignore[assignment]
+    rng = random.Random(22)
+    out = Outcomes()
+    expected: list[tuple[int, int, bytes]] = []  # (command, offset, payload), as queued
+
+    def queue(sizes: list[int], base: int) -> None:
+        for n in sizes:
+            i = len(expected)
+            offset, data = base + i * 4099, rng.randbytes(n)
+            conn.submit_pwrite(data, offset, out.done(f"w{i}"))
+            conn.submit_pread(bytearray(100), 100, offset, out.done(f"r{i}"))
+            expected.extend([(Command.WRITE, offset, data), (Command.READ, offset, b"")])
+
+    queue([3 << 20, 4096, (1 << 20) + 7, 5, 2 << 20], 0)  # one batch
+    total = len(expected) + 4
+    seen: list[tuple[tuple[int, int, int, int, int], bytes]] = []
+
+    async def read_all() -> None:
+        seen.extend(await trio.to_thread.run_sync(requests_and_payloads, server, total, 7777))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await trio.sleep(0.05)  # queued while the first batch is still being sent
+        queue([(512 << 10) + 3, 1 << 20], 8 << 20)
+    assert partial.partial > 0  # what this test is about did happen
+    assert [(r[1], r[3], payload) for r, payload in seen] == expected
+    for r, _ in seen:
+        feed(conn, reply(r[2], 0, b"\x01" * 100 if r[1] == Command.READ else b""))
+    assert all(calls == [0] for calls in out.calls.values()) and len(out.calls) == total
+    assert conn.in_flight == 0 and conn.alive
