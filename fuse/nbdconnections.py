@@ -22,8 +22,9 @@ Choices, and why:
   connection is moorage's own client (:mod:`nbd.pipeline`): the requests of
   one ``/dev/fuse`` batch leave in one ``sendmsg`` and replies are read many
   at a time, so the server can serve them as a batch.  TLS (``nbds``) stays
-  with libnbd (:mod:`nbd.aio`).  ``MOORAGE_NBD_CLIENT=libnbd`` in the
-  environment makes every connection libnbd's (to compare the two).
+  with libnbd (:mod:`nbd.aio`).  The block file's ``--nbd-client libnbd``
+  (``connect``'s ``client``) makes every connection libnbd's, to compare the
+  two (``auto``, the default, is the above).
 - **Hard mount.** A connection error (the server died, restarted, or shut
   down) drops that connection; the request waits with exponential backoff
   and is sent again on a new connection, so a server restart reaches the
@@ -87,6 +88,9 @@ T = TypeVar("T")
 # a negotiated export, and the connection that drives it from trio
 Client = NBDClient | PlainClient
 Connection = AioConnection | PipelinedConnection
+# which NBD client the block file uses (its --nbd-client): "auto" is moorage's pipelined
+# client on a plain socket and libnbd for TLS; "libnbd" is libnbd always (to compare)
+NBD_CLIENTS: Final = ("auto", "libnbd")
 
 
 def watch_period(timeout: float) -> float:
@@ -150,11 +154,13 @@ class _Slot:
     connecting: trio.Lock = field(default_factory=trio.Lock)
 
 
-def connect(uri: str) -> Client:
-    """A connection to ``uri``: moorage's own on a plain socket, libnbd's for TLS (no
-    meta contexts: only plain I/O here).  Bounded by :data:`CONNECT_TIMEOUT` on a plain
-    socket, by libnbd's own timeouts otherwise."""
-    if is_plain(uri) and os.environ.get("MOORAGE_NBD_CLIENT", "") != "libnbd":
+def connect(uri: str, client: str = "auto") -> Client:
+    """A connection to ``uri``: moorage's own on a plain socket, libnbd's for TLS or
+    when ``client`` is "libnbd" (no meta contexts: only plain I/O here).  Bounded by
+    :data:`CONNECT_TIMEOUT` on a plain socket, by libnbd's own timeouts otherwise."""
+    if client not in NBD_CLIENTS:
+        raise ValueError(f"NBD client {client!r}: not one of {', '.join(NBD_CLIENTS)}")
+    if client == "auto" and is_plain(uri):
         return PlainClient.open(uri, CONNECT_TIMEOUT)
     return NBDClient.open(uri, meta_contexts=())
 

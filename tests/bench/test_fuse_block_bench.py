@@ -8,8 +8,8 @@ serve`` on a loopback port and attached with :func:`fuse.blockdev.attach_fuse_bl
 once for each count of FUSE processes in ``MOORAGE_BENCH_FUSE_WORKERS`` (``1,2``: the
 block file's ``--workers``), and for each NBD client of the block file in
 ``MOORAGE_BENCH_FUSE_CLIENTS`` (``pipelined,libnbd``: :mod:`nbd.pipeline`, the default on
-a plain socket, and libnbd, what TLS uses; ``MOORAGE_NBD_CLIENT`` in the FUSE process's
-environment), so those are compared in the same run.  The clients drive the same export,
+a plain socket, and libnbd, what TLS uses; the block file's ``--nbd-client auto`` and
+``--nbd-client libnbd``), so those are compared in the same run.  The clients drive the same export,
 one at a time:
 
 - loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``, one per attachment;
@@ -73,8 +73,10 @@ FIO_RUNTIME = int(os.environ.get("MOORAGE_BENCH_FIO_SECONDS", "10"))
 ROUNDS = int(os.environ.get("MOORAGE_BENCH_FUSE_ROUNDS", "3"))
 # FUSE processes serving the file (fuse.blockfile --workers), each measured in the same run
 WORKERS = [int(w) for w in os.environ.get("MOORAGE_BENCH_FUSE_WORKERS", "1,2").split(",")]
-# the block file's NBD client (fuse.nbdconnections: MOORAGE_NBD_CLIENT), each measured too
+# the block file's NBD client, each measured too: its name here -> its --nbd-client
+NBD_CLIENT = {"pipelined": "auto", "libnbd": "libnbd"}
 CLIENTS = os.environ.get("MOORAGE_BENCH_FUSE_CLIENTS", "pipelined,libnbd").split(",")
+assert set(CLIENTS) <= set(NBD_CLIENT), f"MOORAGE_BENCH_FUSE_CLIENTS: {CLIENTS}"
 VARIANTS = [(workers, client) for workers in WORKERS for client in CLIENTS]
 LOOP = "FUSE + loop"
 NBD = "fio nbd engine"
@@ -140,18 +142,14 @@ def attached(uri: str, state_dir: Path, workers: int, client: str) -> Iterator[A
     """The export as /dev/loopN served by ``workers`` FUSE processes with NBD client
     ``client``; detached after."""
     try:
-        saved = os.environ.get("MOORAGE_NBD_CLIENT")
-        os.environ["MOORAGE_NBD_CLIENT"] = client  # the FUSE processes inherit it
-        try:
-            attachment = attach_fuse_block(
-                uri, state_dir, connections=CONNECTIONS, timeout=IO_TIMEOUT, workers=workers
-            )
-        finally:
-            if saved is None:
-                del os.environ["MOORAGE_NBD_CLIENT"]
-            else:
-                os.environ["MOORAGE_NBD_CLIENT"] = saved
-        yield attachment
+        yield attach_fuse_block(
+            uri,
+            state_dir,
+            connections=CONNECTIONS,
+            timeout=IO_TIMEOUT,
+            workers=workers,
+            nbd_client=NBD_CLIENT[client],
+        )
     finally:
         try:
             detach_fuse_block(uri, state_dir, timeout=20)

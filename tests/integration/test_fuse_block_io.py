@@ -23,6 +23,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,20 +75,33 @@ def aligned(data: bytes) -> mmap.mmap:
     return buf
 
 
-@pytest.mark.parametrize(("workers", "client"), [(1, "pipelined"), (2, "pipelined"), (1, "libnbd")])
+@pytest.mark.parametrize(
+    ("workers", "nbd_client", "kind"),
+    [
+        (1, "auto", "pipelined"),
+        (2, "auto", "pipelined"),
+        (1, "libnbd", "libnbd"),
+        (2, "libnbd", "libnbd"),
+    ],
+)
 def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
-    server: NBDServerProcess,
-    stack: BlockStack,
-    workers: int,
-    client: str,
-    monkeypatch: pytest.MonkeyPatch,
+    server: NBDServerProcess, stack: BlockStack, workers: int, nbd_client: str, kind: str
 ) -> None:
-    """Both NBD clients of the block file (nbd.pipeline on a plain socket, the default;
-    libnbd, what TLS uses) carry the bytes both ways."""
-    monkeypatch.setenv("MOORAGE_NBD_CLIENT", client)  # the FUSE processes inherit it
-    attachment = stack.attach(server.uri("disk"), workers=workers)
-    assert f"{client} client" in Path(attachment.log_file).read_text()
+    """Both NBD clients of the block file (``--nbd-client auto``, the default:
+    nbd.pipeline on a plain socket; ``libnbd``, what TLS uses) carry the bytes both
+    ways, and every process serving the mount (workers too) uses the one chosen."""
+    attachment = stack.attach(server.uri("disk"), workers=workers, nbd_client=nbd_client)
     assert len(_processes(attachment.pid, workers)) == workers
+    log_file = Path(attachment.log_file)
+
+    def told() -> list[str]:  # each process logs its client once connected
+        return re.findall(r"connection\(s\), (\w+) client$", log_file.read_text(), re.M)
+
+    deadline = time.monotonic() + PROMPTLY
+    while len(told()) < workers:
+        assert time.monotonic() < deadline, log_file.read_text()
+        time.sleep(0.05)
+    assert told() == [kind] * workers, told()
     status = loop_status(attachment.device)
     assert status is not None and status.direct_io, status
     name = os.path.basename(attachment.device)
