@@ -40,7 +40,10 @@ Choices, and why:
   instead of waiting anew.  Every connection attempt is bounded too
   (:data:`CONNECT_TIMEOUT`).  A *definitive* answer fails requests at once:
   the server says the export does not exist (its volume was unpublished or
-  deleted) or is not for us, or the export's size became 0.  After either,
+  deleted) or is not for us, or the export's size became 0.  Nobody
+  listening is not an answer: a refused TCP connect, and on ``nbd+unix`` a
+  socket file that is missing (a server restarting removes and binds it
+  again), are waited for like any lost connection.  After either,
   a connection is tried again at most every :data:`RETRY_MAX` seconds, so
   a server or an export that comes back is used again.
 - **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
@@ -55,6 +58,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +69,7 @@ import trio
 from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
 from nbd.pipeline import PipelinedConnection, PlainClient, is_plain
+from nbd.uri import parse_nbd_uri
 
 log = logging.getLogger("moorage.fuse.blockfile")
 
@@ -80,8 +85,9 @@ STOP_GRACE: Final = 3.0  # seconds requests in flight get once the process is to
 WATCH_PERIOD_MAX: Final = 1.0  # seconds between two looks for requests past the timeout
 # errors a connected handle reports when the server is going away
 _GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
-# a server's answer that retrying will not change: no such export (libnbd: ENOENT), not
-# for this client (EACCES, EPERM)
+# a server's answer that retrying will not change: no such export (the handshake's
+# NBD_REP_ERR_UNKNOWN, as libnbd reports it: ENOENT; see connect() for a missing unix
+# socket file, which is not that), not for this client (EACCES, EPERM)
 DEFINITIVE: Final = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM})
 
 T = TypeVar("T")
@@ -157,12 +163,36 @@ class _Slot:
 def connect(uri: str, client: str = "auto") -> Client:
     """A connection to ``uri``: moorage's own on a plain socket, libnbd's for TLS or
     when ``client`` is "libnbd" (no meta contexts: only plain I/O here).  Bounded by
-    :data:`CONNECT_TIMEOUT` on a plain socket, by libnbd's own timeouts otherwise."""
+    :data:`CONNECT_TIMEOUT` on a plain socket, by libnbd's own timeouts otherwise.
+
+    A unix socket file that is not there is ECONNREFUSED (nobody listens, a server
+    may be restarting), never ENOENT, which is the server's "no such export"."""
     if client not in NBD_CLIENTS:
         raise ValueError(f"NBD client {client!r}: not one of {', '.join(NBD_CLIENTS)}")
     if client == "auto" and is_plain(uri):
-        return PlainClient.open(uri, CONNECT_TIMEOUT)
-    return NBDClient.open(uri, meta_contexts=())
+        return PlainClient.open(uri, CONNECT_TIMEOUT)  # maps a missing socket file itself
+    try:
+        return NBDClient.open(uri, meta_contexts=())
+    except NBDError as e:
+        # libnbd says ENOENT both for connect(2) to a missing socket file and for
+        # NBD_REP_ERR_UNKNOWN; the file being gone tells them apart
+        if e.errno == errno.ENOENT and _socket_missing(uri):
+            raise NBDError(f"{e.message} (no server listening)", errno.ECONNREFUSED) from e
+        raise
+
+
+def _socket_missing(uri: str) -> bool:
+    """Whether ``uri`` names a unix socket file that does not exist (or is no socket)."""
+    try:
+        path = parse_nbd_uri(uri).socket_path
+    except ValueError:
+        return False
+    if path is None:
+        return False
+    try:
+        return not stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return True
 
 
 def driven(client: Client) -> Connection:

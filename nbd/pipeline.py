@@ -135,7 +135,13 @@ class PlainClient:
         except TimeoutError as e:
             raise NBDError(f"{uri}: no handshake within {timeout:.1f}s", errno.ETIMEDOUT) from e
         except OSError as e:
-            raise NBDError(f"{uri}: {e.strerror or e}", e.errno or errno.ECONNREFUSED) from e
+            code = e.errno or errno.ECONNREFUSED
+            if code == errno.ENOENT:
+                # connect(2) to a unix socket file that is not there (yet, or any more:
+                # a server restarting): nobody listens.  Only the handshake's
+                # ERR_UNKNOWN says "no such export" (ENOENT, as libnbd says it).
+                code = errno.ECONNREFUSED
+            raise NBDError(f"{uri}: {e.strerror or e}", code) from e
         return cls(negotiated)
 
     def get_size(self) -> int:
