@@ -393,6 +393,12 @@ def _nbdkit(tmp_path: Path, *filters: str) -> Iterator[tuple[str, Path]]:
 _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
     (): [],
     ("multi-conn",): ["multi-conn-mode=disable"],
+    # 4 KiB minimum, 64 KiB maximum, anything else refused with EINVAL
+    ("blocksize-policy",): [
+        "blocksize-minimum=4096",
+        "blocksize-maximum=65536",
+        "blocksize-error-policy=error",
+    ],
 }
 
 
@@ -464,4 +470,34 @@ def test_without_multi_conn_one_process_serves(stack: BlockStack, tmp_path: Path
         finally:
             os.close(fd)
         assert _children(attachment.pid) == []
+        stack.detach(attachment)
+
+
+def test_a_servers_maximum_block_size_is_honoured(stack: BlockStack, tmp_path: Path) -> None:
+    """nbdkit advertising a 64 KiB maximum and a 4 KiB minimum, and refusing whatever
+    breaks them with EINVAL: the loop device's 1 MiB requests reach it in parts (the
+    pipelined client splits them), and the bytes go both ways whole."""
+    with _nbdkit(tmp_path, "blocksize-policy") as (uri, log):
+        attachment = stack.attach(uri)  # --nbd-client auto: the pipelined client
+        data = os.urandom(4 * MiB)
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        try:
+            with aligned(data) as buf:
+                assert os.pwritev(fd, [buf], 8 * MiB) == len(data)
+            os.fsync(fd)
+            with mmap.mmap(-1, len(data)) as buf:
+                assert os.preadv(fd, [buf], 8 * MiB) == len(data)
+                assert buf[:] == data
+        finally:
+            os.close(fd)
+        with (tmp_path / "nbdkit.img").open("rb") as image:
+            image.seek(8 * MiB)
+            assert image.read(len(data)) == data  # what the server stored
+        sizes = [
+            int(count, 16)
+            for count in re.findall(
+                r" (?:Read|Write) id=\d+ offset=0x[0-9a-f]+ count=0x([0-9a-f]+)", log.read_text()
+            )
+        ]
+        assert sizes and max(sizes) == 65536, sorted(set(sizes))
         stack.detach(attachment)
