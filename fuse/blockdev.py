@@ -25,7 +25,11 @@ node (``csi/attach/block.py``) passes none, so production runs one process,
 and an attachment that an attach call repairs is started again with the
 ``workers`` of *that* call.  ``--workers`` serves benchmarks and tests until
 it is shown to pay (docs/performance.md); a server without multi-conn gets
-one process whatever was asked.
+one process whatever was asked.  ``nbd_client`` (the block file's
+``--nbd-client``) is the same kind of setting: the CSI node passes none
+(``auto``: moorage's pipelined client on a plain socket, libnbd for TLS);
+benchmarks and tests pass ``libnbd`` to compare.  It is kept in the record
+as the process was started with it.
 
 Attach is idempotent (the same URI gives the attachment that exists, or
 repairs a half-made one); detach is idempotent and refuses a device that is
@@ -62,7 +66,7 @@ from fuse.loop import (
     loop_backing_file,
     refresh_capacity,
 )
-from fuse.nbdconnections import DEFAULT_CONNECTIONS, DEFAULT_IO_TIMEOUT
+from fuse.nbdconnections import DEFAULT_CONNECTIONS, DEFAULT_IO_TIMEOUT, NBD_CLIENTS
 from fuse.process import await_ready
 from hostio import tools
 from hostio.atomicfile import write_atomically
@@ -273,12 +277,13 @@ def _start_blockfile(
     timeout: float,
     ready_timeout: float,
     workers: int = DEFAULT_WORKERS,
+    nbd_client: str = "auto",
 ) -> subprocess.Popen[bytes]:
     """``python -m fuse.blockfile`` on ``directory/mnt``, once it is ready."""
     mountpoint = directory / MOUNTPOINT
     argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
     argv += ["--connections", str(connections), "--timeout", str(timeout)]
-    argv += ["--workers", str(workers)]
+    argv += ["--workers", str(workers), "--nbd-client", nbd_client]
     read_end, write_end = os.pipe()
     try:
         with (directory / LOG).open("ab") as log_file:
@@ -392,6 +397,7 @@ def attach_fuse_block(
     direct_io: bool = True,
     ready_timeout: float = READY_TIMEOUT,
     workers: int = DEFAULT_WORKERS,
+    nbd_client: str = "auto",
 ) -> Attachment:
     """Attach the NBD export ``uri`` as a loop device through the FUSE block file.
 
@@ -400,7 +406,8 @@ def attach_fuse_block(
     fails with EIO (a definitive answer, such as the export being gone, fails
     it at once; see :mod:`fuse.nbdconnections`).  ``direct_io``: the loop device
     bypasses the page cache of the file (see :mod:`fuse.loop`).  ``workers``:
-    processes serving the FUSE file (see :mod:`fuse.blockfile`).
+    processes serving the FUSE file (see :mod:`fuse.blockfile`).  ``nbd_client``:
+    one of :data:`fuse.nbdconnections.NBD_CLIENTS` (the block file's ``--nbd-client``).
     """
     if not uri.startswith(_URI_SCHEMES) or any(c in uri for c in "\0\n"):
         raise ValueError(f"not an NBD URI: {uri!r}")
@@ -408,6 +415,8 @@ def attach_fuse_block(
         raise ValueError(f"connections must be at least 1, not {connections}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
+    if nbd_client not in NBD_CLIENTS:
+        raise ValueError(f"nbd_client must be one of {', '.join(NBD_CLIENTS)}, not {nbd_client!r}")
     key = _key(uri)
     with _locked(state_dir, key) as directory:
         data = _read_record(directory)
@@ -424,6 +433,7 @@ def attach_fuse_block(
             "connections": connections,
             "io_timeout": timeout,
             "workers": workers,
+            "nbd_client": nbd_client,
             "state": "attaching",
             "pid": None,
             "pid_start": None,
@@ -431,7 +441,9 @@ def attach_fuse_block(
         }
         _write_json(directory / RECORD, record)
         try:
-            proc = _start_blockfile(uri, directory, connections, timeout, ready_timeout, workers)
+            proc = _start_blockfile(
+                uri, directory, connections, timeout, ready_timeout, workers, nbd_client
+            )
             record["pid"] = proc.pid
             record["pid_start"] = _start_time(proc.pid)
             _write_json(directory / RECORD, record)

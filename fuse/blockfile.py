@@ -18,9 +18,9 @@ Choices, and why:
   ~6,000 IOPS (docs/performance.md, section 6).  The block file needs a
   small part of the protocol (:mod:`fuse.fuseproto`), so it reads
   ``/dev/fuse`` itself, non-blocking, every request there is on each
-  wake-up; a READ or WRITE goes to libnbd at once
-  (:meth:`nbd.aio.AioConnection.submit_pread`), and its reply is written to
-  ``/dev/fuse`` from libnbd's completion callback: no task and no event per
+  wake-up; a READ or WRITE goes to the NBD connection at once
+  (``submit_pread`` of :mod:`nbd.pipeline` or :mod:`nbd.aio`), and its reply is written to
+  ``/dev/fuse`` from its completion callback: no task and no event per
   request.  What is rare (flush, fsync, fallocate, refresh, a request that
   meets a lost connection) runs in a trio task through the awaitable
   methods of the export, which reconnect, fail over and bound the wait, as
@@ -96,11 +96,14 @@ from fuse.nbdconnections import (
     DEFAULT_CONNECTIONS,
     DEFAULT_IO_TIMEOUT,
     MAX_IO_TIMEOUT,
+    NBD_CLIENTS,
+    Client,
+    Connection,
     ExportConnections,
     ExportUnavailable,
+    connect,
 )
 from fuse.process import ABANDON_AFTER, EarlyStop, ReadySignal, configure_logging
-from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDError
 
 log = logging.getLogger("moorage.fuse.blockfile")
@@ -525,10 +528,10 @@ class BlockFile:
     def _failed(
         self,
         unique: int,
-        conn: AioConnection,
+        conn: Connection,
         error: int,
         what: str,
-        again: Callable[[AioConnection], Awaitable[None]],
+        again: Callable[[Connection], Awaitable[None]],
         then: Callable[[], None] | None = None,
     ) -> None:
         """A request sent without a task failed: the server's answer is passed on, a
@@ -1002,9 +1005,11 @@ def serve(
     direct_io: bool = True,
     workers: int = DEFAULT_WORKERS,
     ready: Callable[[], None] | None = None,
+    nbd_client: str = "auto",
 ) -> None:
     """Mount and serve in this process (and ``workers - 1`` more) until unmounted or
-    sent SIGTERM/SIGINT."""
+    sent SIGTERM/SIGINT.  ``nbd_client``: one of :data:`NBD_CLIENTS` (see
+    :func:`fuse.nbdconnections.connect`)."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
     stop = EarlyStop()
@@ -1014,7 +1019,9 @@ def serve(
     shared: SharedSize | None = None
     team: Workers | None = None
     try:
-        export = ExportConnections.open(uri, _share(connections, workers), timeout=timeout)
+        export = ExportConnections.open(
+            uri, _share(connections, workers), timeout=timeout, connect=_connector(nbd_client)
+        )
         log.info(
             "%s: %d bytes, %d connection(s)%s%s",
             uri,
@@ -1036,7 +1043,7 @@ def serve(
                 shared = SharedSize.create(export.size)
                 argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
                 argv += ["--connections", str(connections), "--timeout", str(timeout)]
-                argv += ["--workers", str(workers)]
+                argv += ["--workers", str(workers), "--nbd-client", nbd_client]
                 if not direct_io:
                     argv.append("--no-direct-io")
                 team = Workers(argv, fd, workers, shared)
@@ -1070,6 +1077,15 @@ def stop_bound(workers: int) -> float:
     return bound
 
 
+def _connector(nbd_client: str) -> Callable[[str], Client]:
+    """How this process connects: :func:`fuse.nbdconnections.connect` with ``nbd_client``."""
+    if nbd_client not in NBD_CLIENTS:
+        raise ValueError(
+            f"--nbd-client must be one of {', '.join(NBD_CLIENTS)}, not {nbd_client!r}"
+        )
+    return functools.partial(connect, client=nbd_client)
+
+
 def _share(connections: int, workers: int) -> int:
     """NBD connections of each process: the total shared out, at least one each."""
     return max(1, connections // max(1, workers))
@@ -1083,6 +1099,7 @@ def serve_worker(
     workers: int,
     timeout: float,
     direct_io: bool,
+    nbd_client: str = "auto",
 ) -> None:
     """A worker process: serve the cloned descriptor until the mount or the parent goes."""
     index_text, fd_text, shared_text, parent_text = worker.split(",")
@@ -1097,7 +1114,9 @@ def serve_worker(
     shared = SharedSize(int(shared_text))
     export: ExportConnections | None = None
     try:
-        export = ExportConnections.open(uri, _share(connections, workers), timeout=timeout)
+        export = ExportConnections.open(
+            uri, _share(connections, workers), timeout=timeout, connect=_connector(nbd_client)
+        )
         if export.size != shared.read()[1]:
             log.info("worker %d: export size %d", index, export.size)
         if not export.multi_conn:
@@ -1161,6 +1180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(default {DEFAULT_IO_TIMEOUT:.0f})",
     )
     parser.add_argument("--no-direct-io", dest="direct_io", action="store_false")
+    parser.add_argument(
+        "--nbd-client",
+        choices=NBD_CLIENTS,
+        default="auto",
+        help="the NBD client of every connection: auto (moorage's pipelined client on "
+        "nbd:// and nbd+unix://, libnbd for TLS) or libnbd (libnbd always, to compare; "
+        "default auto)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # index,fd,shared fd,parent pid
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -1174,6 +1201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 workers=args.workers,
                 timeout=args.timeout,
                 direct_io=args.direct_io,
+                nbd_client=args.nbd_client,
             )
         except (OSError, ValueError, RuntimeError) as e:
             log.error("worker: %s", e)
@@ -1197,6 +1225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             direct_io=args.direct_io,
             workers=args.workers,
             ready=signal_.ready,
+            nbd_client=args.nbd_client,
         )
     except (OSError, ValueError, RuntimeError) as e:
         log.error("%s", e)

@@ -18,6 +18,13 @@ Choices, and why:
   each goes to the least busy one.  A worker thread was a hand-off each
   way per request, which cost more CPU than the request itself; only
   connecting (rare) still runs in a thread.
+- **Pipelined on plain sockets.** On ``nbd://`` and ``nbd+unix://`` the
+  connection is moorage's own client (:mod:`nbd.pipeline`): the requests of
+  one ``/dev/fuse`` batch leave in one ``sendmsg`` and replies are read many
+  at a time, so the server can serve them as a batch.  TLS (``nbds``) stays
+  with libnbd (:mod:`nbd.aio`).  The block file's ``--nbd-client libnbd``
+  (``connect``'s ``client``) makes every connection libnbd's, to compare the
+  two (``auto``, the default, is the above).
 - **Hard mount.** A connection error (the server died, restarted, or shut
   down) drops that connection; the request waits with exponential backoff
   and is sent again on a new connection, so a server restart reaches the
@@ -33,7 +40,10 @@ Choices, and why:
   instead of waiting anew.  Every connection attempt is bounded too
   (:data:`CONNECT_TIMEOUT`).  A *definitive* answer fails requests at once:
   the server says the export does not exist (its volume was unpublished or
-  deleted) or is not for us, or the export's size became 0.  After either,
+  deleted) or is not for us, or the export's size became 0.  Nobody
+  listening is not an answer: a refused TCP connect, and on ``nbd+unix`` a
+  socket file that is missing (a server restarting removes and binds it
+  again), are waited for like any lost connection.  After either,
   a connection is tried again at most every :data:`RETRY_MAX` seconds, so
   a server or an export that comes back is used again.
 - **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
@@ -48,6 +58,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +68,8 @@ import trio
 
 from nbd.aio import AioConnection
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
+from nbd.pipeline import PipelinedConnection, PlainClient, is_plain
+from nbd.uri import parse_nbd_uri
 
 log = logging.getLogger("moorage.fuse.blockfile")
 
@@ -72,11 +85,18 @@ STOP_GRACE: Final = 3.0  # seconds requests in flight get once the process is to
 WATCH_PERIOD_MAX: Final = 1.0  # seconds between two looks for requests past the timeout
 # errors a connected handle reports when the server is going away
 _GONE: Final = frozenset({errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
-# a server's answer that retrying will not change: no such export (libnbd: ENOENT), not
-# for this client (EACCES, EPERM)
+# a server's answer that retrying will not change: no such export (the handshake's
+# NBD_REP_ERR_UNKNOWN, as libnbd reports it: ENOENT; see connect() for a missing unix
+# socket file, which is not that), not for this client (EACCES, EPERM)
 DEFINITIVE: Final = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM})
 
 T = TypeVar("T")
+# a negotiated export, and the connection that drives it from trio
+Client = NBDClient | PlainClient
+Connection = AioConnection | PipelinedConnection
+# which NBD client the block file uses (its --nbd-client): "auto" is moorage's pipelined
+# client on a plain socket and libnbd for TLS; "libnbd" is libnbd always (to compare)
+NBD_CLIENTS: Final = ("auto", "libnbd")
 
 
 def watch_period(timeout: float) -> float:
@@ -113,13 +133,13 @@ class _Disconnected(Exception):
 class _Attempt:
     """One connection attempt in a worker thread, which its waiter may give up on."""
 
-    def __init__(self, connect: Callable[[str], NBDClient], uri: str) -> None:
+    def __init__(self, connect: Callable[[str], Client], uri: str) -> None:
         self._connect = connect
         self._uri = uri
         self._lock = threading.Lock()
         self._abandoned = False
 
-    def run(self) -> NBDClient | None:
+    def run(self) -> Client | None:
         client = self._connect(self._uri)
         with self._lock:
             if not self._abandoned:
@@ -134,15 +154,52 @@ class _Attempt:
 
 @dataclass
 class _Slot:
-    conn: AioConnection | None
+    conn: Connection | None
     size: int | None = None  # the export size this connection was told
     multi_conn: bool = True
     connecting: trio.Lock = field(default_factory=trio.Lock)
 
 
-def connect(uri: str) -> NBDClient:
-    """A libnbd connection to ``uri`` (no meta contexts: only plain I/O here)."""
-    return NBDClient.open(uri, meta_contexts=())
+def connect(uri: str, client: str = "auto") -> Client:
+    """A connection to ``uri``: moorage's own on a plain socket, libnbd's for TLS or
+    when ``client`` is "libnbd" (no meta contexts: only plain I/O here).  Bounded by
+    :data:`CONNECT_TIMEOUT` on a plain socket, by libnbd's own timeouts otherwise.
+
+    A unix socket file that is not there is ECONNREFUSED (nobody listens, a server
+    may be restarting), never ENOENT, which is the server's "no such export"."""
+    if client not in NBD_CLIENTS:
+        raise ValueError(f"NBD client {client!r}: not one of {', '.join(NBD_CLIENTS)}")
+    if client == "auto" and is_plain(uri):
+        return PlainClient.open(uri, CONNECT_TIMEOUT)  # maps a missing socket file itself
+    try:
+        return NBDClient.open(uri, meta_contexts=())
+    except NBDError as e:
+        # libnbd says ENOENT both for connect(2) to a missing socket file and for
+        # NBD_REP_ERR_UNKNOWN; the file being gone tells them apart
+        if e.errno == errno.ENOENT and _socket_missing(uri):
+            raise NBDError(f"{e.message} (no server listening)", errno.ECONNREFUSED) from e
+        raise
+
+
+def _socket_missing(uri: str) -> bool:
+    """Whether ``uri`` names a unix socket file that does not exist (or is no socket)."""
+    try:
+        path = parse_nbd_uri(uri).socket_path
+    except ValueError:
+        return False
+    if path is None:
+        return False
+    try:
+        return not stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return True
+
+
+def driven(client: Client) -> Connection:
+    """The trio-driven connection for a negotiated ``client``."""
+    if isinstance(client, PlainClient):
+        return PipelinedConnection(client)
+    return AioConnection(client)
 
 
 class ExportConnections:
@@ -153,10 +210,10 @@ class ExportConnections:
     def __init__(
         self,
         uri: str,
-        clients: Sequence[NBDClient],
+        clients: Sequence[Client],
         *,
         timeout: float | None = None,
-        connect: Callable[[str], NBDClient] = connect,
+        connect: Callable[[str], Client] = connect,
     ) -> None:
         if not clients:
             raise ValueError("at least one connection is needed")
@@ -169,7 +226,7 @@ class ExportConnections:
         self.can_flush = first.can_flush()
         self.can_zero = first.can_zero()
         self._connect = connect
-        self._slots = [_Slot(AioConnection(c), c.get_size(), c.can_multi_conn()) for c in clients]
+        self._slots = [_Slot(driven(c), c.get_size(), c.can_multi_conn()) for c in clients]
         # since when (trio time) no request has been answered: one clock for the
         # export, like a kernel device's, so requests made later do not wait anew
         self._down_since: float | None = None
@@ -178,7 +235,7 @@ class ExportConnections:
         self._stopping: str | None = None
         self._changed = trio.Event()  # wakes requests waiting to retry
         self._watching = False  # the watchdog task runs (started with the first request)
-        self._retired: set[AioConnection] = set()  # replaced by refresh, still draining
+        self._retired: set[Connection] = set()  # replaced by refresh, still draining
         self._closed = False
         # called once a new connection no longer advertises multi-conn
         self.on_multi_conn_withdrawn: Callable[[], None] | None = None
@@ -190,7 +247,7 @@ class ExportConnections:
         connections: int = DEFAULT_CONNECTIONS,
         *,
         timeout: float | None = None,
-        connect: Callable[[str], NBDClient] = connect,
+        connect: Callable[[str], Client] = connect,
     ) -> ExportConnections:
         """Connect (blocking; before the trio loop).  An unreachable server raises."""
         if connections < 1:
@@ -205,6 +262,8 @@ class ExportConnections:
             for client in clients:
                 client.close()
             raise
+        kind = "pipelined" if isinstance(clients[0], PlainClient) else "libnbd"
+        log.info("%s: %d connection(s), %s client", uri, len(clients), kind)
         return cls(uri, clients, timeout=timeout, connect=connect)
 
     def __len__(self) -> int:
@@ -212,7 +271,7 @@ class ExportConnections:
 
     # -------------------------------------------------------------- connections
 
-    async def _connected(self, slot: _Slot, bound: float) -> AioConnection:
+    async def _connected(self, slot: _Slot, bound: float) -> Connection:
         """The slot's connection, made again first if it was lost (within ``bound`` s)."""
         conn = slot.conn
         if conn is not None and conn.alive:
@@ -235,15 +294,15 @@ class ExportConnections:
                 client.close()
                 raise _Disconnected("the export's size is now 0", definitive=True)
             slot.size, slot.multi_conn = size, client.can_multi_conn()
-            slot.conn = AioConnection(client)
+            slot.conn = driven(client)
             self._refused = None
             self._note(slot)
             return slot.conn
 
-    async def _attempt(self, bound: float) -> NBDClient:
+    async def _attempt(self, bound: float) -> Client:
         """A new connection in a worker thread, given up on after ``bound`` seconds."""
         attempt = _Attempt(self._connect, self.uri)
-        client: NBDClient | None = None
+        client: Client | None = None
         with trio.move_on_after(max(bound, 0.0)):
             try:
                 client = await trio.to_thread.run_sync(attempt.run, abandon_on_cancel=True)
@@ -265,7 +324,7 @@ class ExportConnections:
     async def _run_on(
         self,
         slot: _Slot | None,
-        fn: Callable[[AioConnection], Awaitable[T]],
+        fn: Callable[[Connection], Awaitable[T]],
         failed: _Disconnected | None = None,
     ) -> T:
         """``fn`` on ``slot`` (None: the least busy), reconnecting with backoff until it
@@ -318,9 +377,7 @@ class ExportConnections:
                 log.warning("%s: connected again", self.uri)
             return result
 
-    async def _answered(
-        self, conn: AioConnection, fn: Callable[[AioConnection], Awaitable[T]]
-    ) -> T:
+    async def _answered(self, conn: Connection, fn: Callable[[Connection], Awaitable[T]]) -> T:
         """``fn(conn)``; a server that does not answer within the timeout has lost the
         connection: :meth:`_watchdog` fails what is in flight on it (sent again on
         another connection), without a cancel scope per request."""
@@ -393,14 +450,14 @@ class ExportConnections:
 
     # -------------------------------------------------------------- without a task
 
-    def ready_connection(self) -> AioConnection | None:
+    def ready_connection(self) -> Connection | None:
         """The least busy connection, if the export is in its normal state (connected,
         not refused, not stopping): a request may then be sent on it at once with
         :meth:`AioConnection.submit_pread` / ``submit_pwrite``, and if that fails with
         ``error``, go on through :meth:`resubmit`.  None: use the awaitable methods."""
         if self._down_since is not None or self._refused is not None or self._stopping:
             return None
-        best: AioConnection | None = None
+        best: Connection | None = None
         load = 1 << 30
         for slot in self._slots:
             conn = slot.conn
@@ -410,13 +467,13 @@ class ExportConnections:
             self._watch()
         return best
 
-    def answer_of(self, conn: AioConnection, error: int) -> bool:
+    def answer_of(self, conn: Connection, error: int) -> bool:
         """Whether ``error`` from a request sent on ``conn`` is the server's answer to
         it (to be passed on) rather than the connection lost (to be sent again)."""
         return conn.alive and error not in _GONE
 
     async def resubmit(
-        self, conn: AioConnection, error: int, fn: Callable[[AioConnection], Awaitable[T]]
+        self, conn: Connection, error: int, fn: Callable[[Connection], Awaitable[T]]
     ) -> T:
         """``fn`` after a request sent on ``conn`` without a task failed with ``error``
         because the connection was lost: from there on as if it had been sent by
@@ -465,7 +522,7 @@ class ExportConnections:
                     log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
                     continue
                 slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-                slot.conn = AioConnection(client)
+                slot.conn = driven(client)
                 self._note(slot)
             if old is not None:
                 self._retired.add(old)  # still watched: its requests fail over if stalled

@@ -54,10 +54,15 @@ class BlockStack:
     def state_dir(self) -> Path:
         return self.tmp / "state"
 
-    def attach(self, uri: str, workers: int = 1) -> Attachment:
+    def attach(self, uri: str, workers: int = 1, nbd_client: str = "auto") -> Attachment:
         self.attached.append(uri)
         attachment = attach_fuse_block(
-            uri, self.state_dir, connections=4, timeout=IO_TIMEOUT, workers=workers
+            uri,
+            self.state_dir,
+            connections=4,
+            timeout=IO_TIMEOUT,
+            workers=workers,
+            nbd_client=nbd_client,
         )
         assert loop_status(attachment.device) is not None
         return attachment

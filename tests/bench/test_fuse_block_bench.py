@@ -6,8 +6,11 @@ sparse image (1 GiB, ``MOORAGE_BENCH_FUSE_IMAGE_MIB``) is served by ``moorage nb
 serve`` on a loopback port and attached with :func:`fuse.blockdev.attach_fuse_block`
 (the FUSE block file with its default NBD connections, a loop device with direct I/O),
 once for each count of FUSE processes in ``MOORAGE_BENCH_FUSE_WORKERS`` (``1,2``: the
-block file's ``--workers``), so those are compared in the same run.  The clients drive
-the same export, one at a time:
+block file's ``--workers``), and for each NBD client of the block file in
+``MOORAGE_BENCH_FUSE_CLIENTS`` (``pipelined,libnbd``: :mod:`nbd.pipeline`, the default on
+a plain socket, and libnbd, what TLS uses; the block file's ``--nbd-client auto`` and
+``--nbd-client libnbd``), so those are compared in the same run.  The clients drive the same export,
+one at a time:
 
 - loop: ``fio --filename=/dev/loopN --ioengine=libaio --direct=1``, one per attachment;
 - nbd: ``fio --ioengine=nbd --uri=nbd://...`` (one connection), the peer;
@@ -70,6 +73,11 @@ FIO_RUNTIME = int(os.environ.get("MOORAGE_BENCH_FIO_SECONDS", "10"))
 ROUNDS = int(os.environ.get("MOORAGE_BENCH_FUSE_ROUNDS", "3"))
 # FUSE processes serving the file (fuse.blockfile --workers), each measured in the same run
 WORKERS = [int(w) for w in os.environ.get("MOORAGE_BENCH_FUSE_WORKERS", "1,2").split(",")]
+# the block file's NBD client, each measured too: its name here -> its --nbd-client
+NBD_CLIENT = {"pipelined": "auto", "libnbd": "libnbd"}
+CLIENTS = os.environ.get("MOORAGE_BENCH_FUSE_CLIENTS", "pipelined,libnbd").split(",")
+assert set(CLIENTS) <= set(NBD_CLIENT), f"MOORAGE_BENCH_FUSE_CLIENTS: {CLIENTS}"
+VARIANTS = [(workers, client) for workers in WORKERS for client in CLIENTS]
 LOOP = "FUSE + loop"
 NBD = "fio nbd engine"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -103,8 +111,8 @@ WORKLOADS = (
 )
 
 
-def loop_name(workers: int) -> str:
-    return f"{LOOP}, {workers} process{'es' if workers > 1 else ''}"
+def loop_name(workers: int, client: str) -> str:
+    return f"{LOOP}, {workers} process{'es' if workers > 1 else ''}, {client}"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -130,11 +138,17 @@ def _family(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def attached(uri: str, state_dir: Path, workers: int) -> Iterator[Attachment]:
-    """The export as /dev/loopN served by ``workers`` FUSE processes; detached after."""
+def attached(uri: str, state_dir: Path, workers: int, client: str) -> Iterator[Attachment]:
+    """The export as /dev/loopN served by ``workers`` FUSE processes with NBD client
+    ``client``; detached after."""
     try:
         yield attach_fuse_block(
-            uri, state_dir, connections=CONNECTIONS, timeout=IO_TIMEOUT, workers=workers
+            uri,
+            state_dir,
+            connections=CONNECTIONS,
+            timeout=IO_TIMEOUT,
+            workers=workers,
+            nbd_client=NBD_CLIENT[client],
         )
     finally:
         try:
@@ -198,16 +212,17 @@ def settings(attachment: Attachment) -> list[str]:
 
 def table(results: dict[tuple[str, str], list[Run]]) -> list[str]:
     lines = [
-        f"| workload | FUSE processes | {LOOP} IOPS | {NBD} IOPS | loop/nbd | goal | met "
-        "| CPU µs/IO: FUSE, server (loop) | server (nbd) | runs loop / nbd (IOPS) |",
-        "|---|--:|--:|--:|--:|---|---|--:|--:|---|",
+        f"| workload | FUSE processes | NBD client | {LOOP} IOPS | {NBD} IOPS | loop/nbd "
+        "| goal | met | CPU µs/IO: FUSE, server (loop) | server (nbd) "
+        "| runs loop / nbd (IOPS) |",
+        "|---|--:|---|--:|--:|--:|---|---|--:|--:|---|",
     ]
     for w in WORKLOADS:
         nbd_runs = results.get((w.label, NBD), [])
         zero = Run(0.0, 0, {})
         nbd = max(nbd_runs, key=lambda r: r.iops, default=zero)
-        for workers in WORKERS:
-            loop_runs = results.get((w.label, loop_name(workers)), [])
+        for workers, client in VARIANTS:
+            loop_runs = results.get((w.label, loop_name(workers, client)), [])
             loop = max(loop_runs, key=lambda r: r.iops, default=zero)
             met = ""
             if loop.iops and nbd.iops:
@@ -216,7 +231,7 @@ def table(results: dict[tuple[str, str], list[Run]]) -> list[str]:
                 ", ".join(f"{r.iops:,.0f}" for r in rs) for rs in (loop_runs, nbd_runs)
             )
             lines.append(
-                f"| {w.label} | {workers} | {loop.iops:,.0f} | {nbd.iops:,.0f} "
+                f"| {w.label} | {workers} | {client} | {loop.iops:,.0f} | {nbd.iops:,.0f} "
                 f"| {ratio(loop.iops, nbd.iops)} | >= {w.goal}x | {met} "
                 f"| {loop.cpu_us_per_io('fuse'):.0f}, {loop.cpu_us_per_io('server'):.0f} "
                 f"| {nbd.cpu_us_per_io('server'):.0f} | {runs} |"
@@ -243,17 +258,17 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
             nbd = FioTarget(NBD, ("--ioengine=nbd", f"--uri={server.uri}"))
             targets = {NBD: nbd}
             pids: dict[str, dict[str, int]] = {NBD: {"server": server.proc.pid}}
-            for workers in WORKERS:
+            for workers, client in VARIANTS:
                 attachment = stack.enter_context(
-                    attached(server.uri, state_dir / f"workers-{workers}", workers)
+                    attached(server.uri, state_dir / f"workers-{workers}-{client}", workers, client)
                 )
                 described += settings(attachment)
-                name = loop_name(workers)
+                name = loop_name(workers, client)
                 targets[name] = FioTarget(
                     name, (f"--filename={attachment.device}", "--ioengine=libaio")
                 )
                 pids[name] = {"fuse": attachment.pid, "server": server.proc.pid}
-            first = targets[loop_name(WORKERS[0])]
+            first = targets[loop_name(*VARIANTS[0])]
             # Untimed: each path reads what the other wrote.
             verify_across(first, nbd, offset=0)
             verify_across(nbd, first, offset=IMAGE_SIZE // 2)
@@ -269,8 +284,8 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
                         fsync_path(image)  # untimed: no run pays for another's writeback
                     server.check_alive()
             # Untimed, after the timed runs too: each loop device still reads what nbd wrote.
-            for workers in WORKERS:
-                verify_across(nbd, targets[loop_name(workers)], offset=0)
+            for workers, client in VARIANTS:
+                verify_across(nbd, targets[loop_name(workers, client)], offset=0)
     finally:
         common = " ".join(WORKLOADS[0].args()[1:])
         out = header(
@@ -283,8 +298,8 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
                 f"{NBD}: fio --ioengine=nbd --uri=nbd://... --direct=1 (one connection)",
                 f"common: --rw=randread|randwrite {common}",
                 *described,
-                f"FUSE processes (--workers): {', '.join(map(str, WORKERS))}, each its own "
-                "attachment of the same export",
+                f"FUSE processes (--workers): {', '.join(map(str, WORKERS))}; NBD clients: "
+                f"{', '.join(CLIENTS)}; each its own attachment of the same export",
                 f"best of {ROUNDS} interleaved runs; {version(['fio', '--version'])}",
             ],
         )
@@ -294,5 +309,5 @@ def test_fuse_block_4k_random_vs_fio_nbd(tmp_path: Path) -> None:
     left = block_leftovers(str(tmp_path))
     assert not left, "left behind:\n" + "\n".join(left)
     for w in WORKLOADS:
-        for name in [NBD, *(loop_name(n) for n in WORKERS)]:
+        for name in [NBD, *(loop_name(*v) for v in VARIANTS)]:
             assert len(results.get((w.label, name), [])) == ROUNDS, (w.label, name)

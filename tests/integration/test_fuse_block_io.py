@@ -23,8 +23,10 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -73,21 +75,69 @@ def aligned(data: bytes) -> mmap.mmap:
     return buf
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(
+    ("workers", "nbd_client", "kind"),
+    [
+        (1, "auto", "pipelined"),
+        (2, "auto", "pipelined"),
+        (1, "libnbd", "libnbd"),
+        (2, "libnbd", "libnbd"),
+    ],
+)
 def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
-    server: NBDServerProcess, stack: BlockStack, workers: int
+    server: NBDServerProcess, stack: BlockStack, workers: int, nbd_client: str, kind: str
 ) -> None:
-    attachment = stack.attach(server.uri("disk"), workers=workers)
+    """Both NBD clients of the block file (``--nbd-client auto``, the default:
+    nbd.pipeline on a plain socket; ``libnbd``, what TLS uses) carry the bytes both
+    ways, and every process serving the mount (workers too) uses the one chosen."""
+    attachment = stack.attach(server.uri("disk"), workers=workers, nbd_client=nbd_client)
     assert len(_processes(attachment.pid, workers)) == workers
+    log_file = Path(attachment.log_file)
+
+    def told() -> list[str]:  # each process logs its client once connected
+        return re.findall(r"connection\(s\), (\w+) client$", log_file.read_text(), re.M)
+
+    deadline = time.monotonic() + PROMPTLY
+    while len(told()) < workers:
+        assert time.monotonic() < deadline, log_file.read_text()
+        time.sleep(0.05)
+    assert told() == [kind] * workers, told()
     status = loop_status(attachment.device)
     assert status is not None and status.direct_io, status
     name = os.path.basename(attachment.device)
     assert Path(f"/sys/block/{name}/loop/dio").read_text().strip() == "1"
+    _bytes_both_ways(attachment.device, server.uri("disk"))
 
+
+def test_the_pipelined_client_over_a_unix_socket(stack: BlockStack, tmp_path: Path) -> None:
+    """nbd+unix:// is plain too: the pipelined client, the bytes both ways."""
+    sock = tmp_path / "nbd.sock"
+    image = sparse_image(tmp_path / "unix.img", IMAGE_SIZE)
+    argv = [sys.executable, "-m", "moorage", "nbd", "serve", "--export", f"disk={image}"]
+    with (tmp_path / "unix-server.log").open("wb") as out:
+        proc = subprocess.Popen([*argv, "--unix", str(sock)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + PROMPTLY
+        while not sock.is_socket():
+            assert proc.poll() is None, (tmp_path / "unix-server.log").read_text()
+            assert time.monotonic() < deadline, "no unix socket"
+            time.sleep(0.05)
+        uri = f"nbd+unix:///disk?socket={sock}"
+        attachment = stack.attach(uri)
+        assert "pipelined client" in Path(attachment.log_file).read_text()
+        _bytes_both_ways(attachment.device, uri)
+        stack.detach(attachment)
+    finally:
+        stop_process(proc, 20)
+
+
+def _bytes_both_ways(device: str, uri: str) -> None:
+    """What is written through ``device`` with O_DIRECT is what an NBD client reads from
+    the export at ``uri``, byte for byte, and the other way round."""
     # through the loop device (O_DIRECT, scattered 4 KiB and 1 MiB writes) -> the export
     pieces = {offset: os.urandom(4096) for offset in range(0, 64 * 4096, 2 * 4096)}
     pieces[8 * MiB] = os.urandom(MiB)
-    fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+    fd = os.open(device, os.O_RDWR | os.O_DIRECT)
     try:
         for offset, data in pieces.items():
             with aligned(data) as buf:
@@ -95,14 +145,14 @@ def test_loop_device_is_direct_io_and_its_bytes_are_the_exports(
         os.fsync(fd)
     finally:
         os.close(fd)
-    with NBDClient.open(server.uri("disk"), meta_contexts=()) as client:
+    with NBDClient.open(uri, meta_contexts=()) as client:
         for offset, data in pieces.items():
             assert client.pread(len(data), offset) == data, f"offset {offset}"
         # the export -> through the loop device
         back = os.urandom(2 * MiB)
         client.pwrite(back, 32 * MiB)
         client.flush()
-    fd = os.open(attachment.device, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(device, os.O_RDONLY | os.O_DIRECT)
     try:
         with mmap.mmap(-1, len(back)) as buf:
             assert os.preadv(fd, [buf], 32 * MiB) == len(back)
@@ -343,6 +393,12 @@ def _nbdkit(tmp_path: Path, *filters: str) -> Iterator[tuple[str, Path]]:
 _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
     (): [],
     ("multi-conn",): ["multi-conn-mode=disable"],
+    # 4 KiB minimum, 64 KiB maximum, anything else refused with EINVAL
+    ("blocksize-policy",): [
+        "blocksize-minimum=4096",
+        "blocksize-maximum=65536",
+        "blocksize-error-policy=error",
+    ],
 }
 
 
@@ -414,4 +470,34 @@ def test_without_multi_conn_one_process_serves(stack: BlockStack, tmp_path: Path
         finally:
             os.close(fd)
         assert _children(attachment.pid) == []
+        stack.detach(attachment)
+
+
+def test_a_servers_maximum_block_size_is_honoured(stack: BlockStack, tmp_path: Path) -> None:
+    """nbdkit advertising a 64 KiB maximum and a 4 KiB minimum, and refusing whatever
+    breaks them with EINVAL: the loop device's 1 MiB requests reach it in parts (the
+    pipelined client splits them), and the bytes go both ways whole."""
+    with _nbdkit(tmp_path, "blocksize-policy") as (uri, log):
+        attachment = stack.attach(uri)  # --nbd-client auto: the pipelined client
+        data = os.urandom(4 * MiB)
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        try:
+            with aligned(data) as buf:
+                assert os.pwritev(fd, [buf], 8 * MiB) == len(data)
+            os.fsync(fd)
+            with mmap.mmap(-1, len(data)) as buf:
+                assert os.preadv(fd, [buf], 8 * MiB) == len(data)
+                assert buf[:] == data
+        finally:
+            os.close(fd)
+        with (tmp_path / "nbdkit.img").open("rb") as image:
+            image.seek(8 * MiB)
+            assert image.read(len(data)) == data  # what the server stored
+        sizes = [
+            int(count, 16)
+            for count in re.findall(
+                r" (?:Read|Write) id=\d+ offset=0x[0-9a-f]+ count=0x([0-9a-f]+)", log.read_text()
+            )
+        ]
+        assert sizes and max(sizes) == 65536, sorted(set(sizes))
         stack.detach(attachment)
