@@ -68,6 +68,32 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         yield Site(root, node, *plugins)
 
 
+# csi-test v5.4.0's utils.Connect dials, then waits for the connection's state to
+# change from the one it reads; if the connection is already READY by then (the
+# dialing goroutine descheduled on a loaded machine), no change comes and it fails
+# after a minute with "Connection timed out" before any RPC reaches the plugin
+# (kubernetes-csi/csi-test#97 describes the same symptom).
+# Only a run whose every failure is that is made once more, in a new directory.
+CONNECT_RACE = "Connection timed out"
+
+
+def failed_only_connecting(report: Path) -> bool:
+    """True if the report's only failures are csi-test's own connect race."""
+    if not report.exists():
+        return False
+    failures = [
+        spec.get("Failure") or {}
+        for suite in json.loads(report.read_text())
+        for spec in suite["SpecReports"]
+        if spec["State"] not in ("passed", "skipped", "pending")
+    ]
+    return bool(failures) and all(
+        CONNECT_RACE in str(f.get("Message", ""))
+        and "sanity.go" in str((f.get("Location") or {}).get("FileName", ""))
+        for f in failures
+    )
+
+
 def run_sanity(
     site: Site,
     name: str,
@@ -80,6 +106,21 @@ def run_sanity(
     Kubernetes runs them; with ``node_specs``, the Node specs against one plugin
     in ``all`` mode (csi-sanity publishes through the controller only when the
     endpoint it stages on also claims the controller service)."""
+    report = sanity_once(site, name, parameters, mutable, node_specs, access)
+    if report is None:
+        print(f"csi-sanity {name}: only csi-test's connect race failed; running it again")
+        report = sanity_once(site, f"{name}-again", parameters, mutable, node_specs, access)
+    assert report is not None, f"csi-sanity {name}: the connect race twice in a row"
+    specs: list[dict[str, object]] = []
+    for suite in json.loads(report.read_text()):
+        specs += suite["SpecReports"]
+    return specs
+
+
+def sanity_once(
+    site: Site, name: str, parameters: str, mutable: str, node_specs: bool, access: str
+) -> Path | None:
+    """One csi-sanity run; its report, or None if only the connect race failed."""
     work = site.root / name
     work.mkdir()
     (work / "params.yaml").write_text(parameters + "\n")
@@ -107,14 +148,13 @@ def run_sanity(
         "--ginkgo.json-report", str(report),
     ]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and failed_only_connecting(report):
+        return None
     assert result.returncode == 0, (
         f"csi-sanity failed:\n{result.stdout[-20000:]}\n{result.stderr[-3000:]}\n"
         f"controller log:\n{site.controller.log_text()[-5000:]}"
     )
-    specs: list[dict[str, object]] = []
-    for suite in json.loads(report.read_text()):
-        specs += suite["SpecReports"]
-    return specs
+    return report
 
 
 def check_every_spec_of_ours_passed(
@@ -159,3 +199,26 @@ def test_csi_sanity_node_specs(site: Site, run: str) -> None:
     parameters, mutable, access = NODE_RUNS[run]
     specs = run_sanity(site, f"node-{run}", parameters, mutable, node_specs=True, access=access)
     check_every_spec_of_ours_passed(specs, ("Node Service",), 20)
+
+
+def test_only_the_connect_race_is_run_again(tmp_path: Path) -> None:
+    """A report is judged a connect race only if every failure is that race."""
+
+    def report(*failures: tuple[str, str]) -> Path:
+        specs: list[dict[str, object]] = [{"State": "passed"}, {"State": "skipped"}]
+        specs += [
+            {"State": "failed", "Failure": {"Message": m, "Location": {"FileName": f}}}
+            for m, f in failures
+        ]
+        path = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps([{"SpecReports": specs}]))
+        return path
+
+    race = ("Unexpected error:\n    Connection timed out\noccurred", "/x/pkg/sanity/sanity.go")
+    other = ("Expected an error, got nil", "/x/pkg/sanity/node.go")
+    assert failed_only_connecting(report(race))
+    assert failed_only_connecting(report(race, race))
+    assert not failed_only_connecting(report(race, other))
+    assert not failed_only_connecting(report(other))
+    assert not failed_only_connecting(report())
+    assert not failed_only_connecting(tmp_path / "missing.json")
