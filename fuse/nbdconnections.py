@@ -511,7 +511,9 @@ class ExportConnections:
         """Reconnect every connection (servers read the size at connect); the new size.
 
         Requests go on meanwhile: each connection is replaced by a new one,
-        and the old one closed once its requests are answered.
+        and the old one closed once its requests are answered.  A connection
+        that cannot be made again now is retired too (it would keep the old
+        size: requests past it would fail), and made again when next used.
         """
         for slot in self._slots:
             async with slot.connecting:
@@ -519,11 +521,14 @@ class ExportConnections:
                 try:
                     client = await self._attempt(CONNECT_TIMEOUT)
                 except _Disconnected as e:
+                    # the old connection may have the old size, and others the new one:
+                    # it is retired all the same, and made again when next used
                     log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
-                    continue
-                slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-                slot.conn = driven(client)
-                self._note(slot)
+                    slot.conn = None
+                else:
+                    slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
+                    slot.conn = driven(client)
+                    self._note(slot)
             if old is not None:
                 self._retired.add(old)  # still watched: its requests fail over if stalled
                 try:

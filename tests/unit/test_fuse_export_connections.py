@@ -1,0 +1,162 @@
+"""fuse.nbdconnections.ExportConnections around a refresh and a stop.
+
+- A refresh that reconnects only some connections retires the others too: a
+  connection left with the old size would refuse (EINVAL) requests into the space
+  an online expand added.
+- A stop (SIGTERM) fails requests waiting for a lost server at once and those
+  a server leaves unanswered after the grace, but the process's final FLUSH
+  still reaches a server that answers, late or after the grace.
+
+The server ends are socketpairs answered by :class:`Server` in this test's trio
+loop (moorage's pipelined client on the other end); the clock is trio's MockClock,
+so seconds of grace cost none.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Final
+
+import pytest
+import trio
+import trio.testing
+
+from fuse.nbdconnections import ExportConnections
+from nbd import codec
+from nbd.client import Negotiated
+from nbd.constants import REQUEST_MAGIC, Command, TransmissionFlag
+from nbd.libnbd import NBDError
+from nbd.pipeline import PlainClient
+
+FLAGS: Final = (
+    TransmissionFlag.HAS_FLAGS | TransmissionFlag.SEND_FLUSH | TransmissionFlag.CAN_MULTI_CONN
+)
+MiB: Final = 1 << 20
+URI: Final = "nbd://127.0.0.1:1/disk"  # never dialled: connect is the test's
+
+
+class Server:
+    """The server end of one connection: READs answered with zeroes, WRITEs and
+    FLUSHes with success, each ``delay`` seconds (trio time) after it arrived
+    (None: never answered)."""
+
+    def __init__(self, size: int, delay: float | None = 0.0) -> None:
+        self.client_end, self.sock = socket.socketpair()
+        self.size = size
+        self.delay = delay
+        self.commands: list[Command] = []
+        self._sending = trio.Lock()
+
+    def client(self) -> PlainClient:
+        return PlainClient(Negotiated(self.client_end, "disk", self.size, FLAGS, None, False))
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        sock = trio.socket.from_stdlib_socket(self.sock)
+        buffer = b""
+        while True:
+            try:
+                data = await sock.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            buffer += data
+            while len(buffer) >= codec.REQUEST.size:
+                magic, _, type_, cookie, _, length = codec.REQUEST.unpack_from(buffer)
+                assert magic == REQUEST_MAGIC
+                body = length if type_ == Command.WRITE else 0
+                if len(buffer) < codec.REQUEST.size + body:
+                    break
+                buffer = buffer[codec.REQUEST.size + body :]
+                command = Command(type_)
+                self.commands.append(command)
+                if command == Command.DISC:
+                    return
+                data_out = bytes(length) if command == Command.READ else b""
+                nursery.start_soon(self._answer, sock, codec.encode_simple_reply(cookie) + data_out)
+
+    async def _answer(self, sock: trio.socket.SocketType, reply: bytes) -> None:
+        if self.delay is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.delay)
+        async with self._sending:  # one reply at a time on the stream
+            view = memoryview(reply)
+            try:
+                while view:
+                    view = view[await sock.send(view) :]
+            except OSError:
+                pass  # the client let the connection go
+
+    def close(self) -> None:
+        self.sock.close()
+        self.client_end.close()
+
+
+class Dialer:
+    """The export's ``connect``: each call takes the next of ``outcomes`` (a server
+    whose client end is returned, or an errno raised as libnbd would)."""
+
+    def __init__(self, nursery: trio.Nursery, outcomes: list[Server | int]) -> None:
+        self.nursery = nursery
+        self.outcomes = outcomes
+        self.calls = 0
+
+    def __call__(self, uri: str) -> PlainClient:
+        self.calls += 1
+        if not self.outcomes:
+            raise NBDError("connection refused", errno.ECONNREFUSED)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, int):
+            raise NBDError(f"connect: {errno.errorcode[outcome]}", outcome)
+        trio.from_thread.run_sync(self.nursery.start_soon, outcome.serve, self.nursery)
+        return outcome.client()
+
+
+async def _started(nursery: trio.Nursery, servers: list[Server]) -> list[PlainClient]:
+    for server in servers:
+        nursery.start_soon(server.serve, nursery)
+    return [server.client() for server in servers]
+
+
+@pytest.fixture
+def mock_clock() -> trio.testing.MockClock:
+    # jumps only once every task has waited a while in real time: the connects run
+    # in threads, which a jump at once would take for a connect timeout
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+# ------------------------------------------------------------------ refresh
+
+
+async def test_a_partial_refresh_leaves_no_connection_with_the_old_size(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """An online expand, then a refresh during which one connect fails: no connection
+    keeps the old size, and a read in the new space, sent while the other connection
+    is busy, is answered."""
+    old = [Server(MiB), Server(MiB)]
+    grown = Server(2 * MiB, delay=5.0)
+    later = Server(2 * MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [grown, errno.ECONNRESET, later])
+        export = ExportConnections(URI, await _started(nursery, old), timeout=30.0, connect=dial)
+        try:
+            with trio.fail_after(10):
+                assert await export.refresh() == 2 * MiB
+            assert dial.calls == 2
+            sizes = [s.conn.client.get_size() for s in export._slots if s.conn is not None]
+            assert sizes and set(sizes) == {2 * MiB}, sizes
+            first = export._slots[0].conn
+            assert first is not None
+            done: list[int] = []
+            first.submit_pread(bytearray(4096), 4096, 0, done.append)  # busy for 5 s
+            buffer = bytearray(b"\xff" * 4096)
+            with trio.fail_after(30):
+                await export.pread_into(buffer, MiB + 4096)  # EINVAL on a 1 MiB connection
+            assert buffer == bytes(4096)
+        finally:
+            export.close()
+            for server in [*old, grown, later]:
+                server.close()
+            nursery.cancel_scope.cancel()
