@@ -174,11 +174,26 @@ def connect(uri: str, client: str = "auto") -> Client:
     try:
         return NBDClient.open(uri, meta_contexts=())
     except NBDError as e:
-        # libnbd says ENOENT both for connect(2) to a missing socket file and for
-        # NBD_REP_ERR_UNKNOWN; the file being gone tells them apart
-        if e.errno == errno.ENOENT and _socket_missing(uri):
+        if e.errno == errno.ENOENT and _nobody_listening(uri, e.message):
             raise NBDError(f"{e.message} (no server listening)", errno.ECONNREFUSED) from e
         raise
+
+
+def _nobody_listening(uri: str, message: str) -> bool:
+    """Whether libnbd's ENOENT is connect(2)'s (no socket file: nobody listens) rather
+    than the handshake's NBD_REP_ERR_UNKNOWN ("no such export").  libnbd gives both
+    the same errno, but its message names the step that failed: ``nbd_connect_uri:
+    connect: ...`` or ``nbd_connect_uri: handshake: ...`` (1.14).  That decides, not
+    a look at the socket file afterwards, which a server restarting (unlink, then
+    bind) may have created or removed in between.  A message naming neither step
+    falls back to that look."""
+    parts = message.split(": ", 2)
+    step = parts[1] if len(parts) == 3 and parts[0].startswith("nbd_") else None
+    if step == "connect":
+        return True
+    if step == "handshake":
+        return False
+    return _socket_missing(uri)
 
 
 def _socket_missing(uri: str) -> bool:
