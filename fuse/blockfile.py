@@ -988,11 +988,15 @@ async def _serve(
             # and covers whatever any process wrote (filesystem.shared is set)
             workers.stop()
             await workers.ended(WORKER_STOP_TIMEOUT)
-        with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
+        # once stopped, the export sends this FLUSH on a connection still alive or on
+        # one made for it, whatever the stop closed
+        with trio.move_on_after(FINAL_FLUSH_TIMEOUT) as flushing:
             try:
                 await filesystem.sync()
             except FuseError as e:
                 log.error("the last flush failed: %s", os.strerror(e.errno))
+        if flushing.cancelled_caught:
+            log.error("the last flush was not answered within %.0fs", FINAL_FLUSH_TIMEOUT)
         nursery.cancel_scope.cancel()
 
 

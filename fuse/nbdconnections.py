@@ -48,9 +48,12 @@ Choices, and why:
   a server or an export that comes back is used again.
 - **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
   fails every request waiting for a connection at once and, after
-  :data:`STOP_GRACE` seconds, closes the connections, failing what is still
-  in flight: a process told to stop ends within seconds whatever the
-  server does.
+  :data:`STOP_GRACE` seconds, closes the connections that still have
+  requests in flight, failing those: a process told to stop does not wait
+  for a server that is gone.  Its last FLUSH (:meth:`ExportConnections.flush`
+  once stopped) still goes out, on a connection that is alive or on one made
+  for it (one attempt), so what the process acknowledged is made durable;
+  its caller bounds it (``fuse.blockfile.FINAL_FLUSH_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ class ExportConnections:
         # the last definitive answer (or the bound passed), and when (trio time)
         self._refused: tuple[str, float] | None = None
         self._stopping: str | None = None
+        self._last_flush = False  # the stopping process's last FLUSH has begun
         self._changed = trio.Event()  # wakes requests waiting to retry
         self._watching = False  # the watchdog task runs (started with the first request)
         self._retired: set[Connection] = set()  # replaced by refresh, still draining
@@ -286,8 +290,9 @@ class ExportConnections:
 
     # -------------------------------------------------------------- connections
 
-    async def _connected(self, slot: _Slot, bound: float) -> Connection:
-        """The slot's connection, made again first if it was lost (within ``bound`` s)."""
+    async def _connected(self, slot: _Slot, bound: float, *, last: bool = False) -> Connection:
+        """The slot's connection, made again first if it was lost (within ``bound`` s);
+        once stopping, only for the last FLUSH (``last``)."""
         conn = slot.conn
         if conn is not None and conn.alive:
             return conn
@@ -298,7 +303,7 @@ class ExportConnections:
             if conn is not None:
                 conn.close()
                 slot.conn = None
-            if self._stopping is not None:
+            if self._stopping is not None and not last:
                 raise _Disconnected(self._stopping, definitive=True, known=True)
             refused = self._refused
             if refused is not None and trio.current_time() - refused[1] < RETRY_MAX:
@@ -439,7 +444,8 @@ class ExportConnections:
 
     def stop(self, reason: str = "stopping") -> None:
         """Fail requests waiting for a connection now, and those in flight after
-        :data:`STOP_GRACE` seconds; no new connection is made.  From the trio thread."""
+        :data:`STOP_GRACE` seconds; no new connection is made but one for the last
+        FLUSH (:meth:`flush` from now on).  From the trio thread."""
         if self._stopping is not None:
             return
         self._stopping = reason
@@ -447,10 +453,21 @@ class ExportConnections:
         trio.lowlevel.spawn_system_task(self._close_after, STOP_GRACE)
 
     async def _close_after(self, grace: float) -> None:
+        """Close the connections that still have requests in flight (failing them);
+        those that are idle stay for the last FLUSH.  Once that has begun, every
+        request before it was answered, and it has a bound of its own: nothing is
+        closed."""
         await trio.sleep(grace)
-        if any(s.conn is not None and s.conn.in_flight for s in self._slots):
-            log.warning("%s: requests still in flight after %.0fs: failing them", self.uri, grace)
-        self.close()
+        if self._last_flush:
+            return
+        for slot in self._slots:
+            conn = slot.conn
+            if conn is not None and conn.in_flight:
+                log.warning(
+                    "%s: requests still in flight after %.0fs: failing them", self.uri, grace
+                )
+                slot.conn = None
+                conn.close()
 
     def _note(self, slot: _Slot) -> None:
         """What a new connection was told: a new size, multi-conn withdrawn."""
@@ -513,14 +530,39 @@ class ExportConnections:
         await self._run_on(None, lambda c: c.zero(count, offset, flags))
 
     async def flush(self) -> None:
-        """NBD FLUSH: every write completed so far is on stable storage when this returns."""
+        """NBD FLUSH: every write completed so far is on stable storage when this returns.
+        Once stopping, see :meth:`_flush_last`."""
         if not self.can_flush:
             return  # the server has no write cache to flush
+        if self._stopping is not None:
+            await self._flush_last()
+            return
         if self.multi_conn:
             await self._run_on(None, lambda c: c.flush())
             return
         for slot in self._slots:
             await self._run_on(slot, lambda c: c.flush())
+
+    async def _flush_last(self) -> None:
+        """The FLUSH of a process that is stopping, so that what it acknowledged is
+        durable: on a connection that is alive, or else on one made for it (one
+        attempt: a server that is gone is not waited for, its failure is EIO).  The
+        caller bounds it: a server that does not answer is waited for that long."""
+        self._last_flush = True
+        for slot in self._slots if not self.multi_conn else [self._least_busy()]:
+            try:
+                conn = slot.conn
+                if conn is None or not conn.alive:
+                    conn = await self._connected(slot, CONNECT_TIMEOUT, last=True)
+                try:
+                    await self._answered(conn, lambda c: c.flush())
+                except NBDError as e:
+                    if conn.alive and e.errno not in _GONE:
+                        raise  # the server's answer
+                    conn.close()
+                    raise _Disconnected(str(e)) from e
+            except _Disconnected as e:
+                raise ExportUnavailable(f"{self.uri}: the last flush: {e}") from None
 
     async def refresh(self) -> int:
         """Reconnect every connection (servers read the size at connect); the new size.

@@ -6,8 +6,10 @@ a pipe (or stdout) once its mount is in place or has failed; the starter
 reads that line with a deadline (EOF without a line: the process died).
 Signals: SIGTERM/SIGINT unmount gracefully, a second one (or
 :data:`ABANDON_AFTER` seconds without the requests under way finishing)
-abandons them: a process told to stop ends within seconds, whatever its
-server does.  One that arrives before the FUSE loop runs is remembered.
+abandons them: a process told to stop ends within a bound, whatever its
+server does (the block file's also covers its final flush:
+``fuse.blockfile.stop_bound``).  One that arrives before the FUSE loop runs
+is remembered.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from fuse.blockdev import attach_fuse_block, detach_fuse_block, refresh_size
+from fuse.blockfile import stop_bound
 from fuse.loop import loop_status
 from fuse.nbdconnections import watch_period
 from hostio.mountinfo import read_mountinfo, topmost
@@ -394,6 +395,8 @@ _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
     (): [],
     ("multi-conn",): ["multi-conn-mode=disable"],
     # 4 KiB minimum, 64 KiB maximum, anything else refused with EINVAL
+    # writes answered 5 s late: one is still in flight after a stop's 3 s of grace
+    ("delay",): ["delay-write=5"],
     ("blocksize-policy",): [
         "blocksize-minimum=4096",
         "blocksize-maximum=65536",
@@ -450,6 +453,52 @@ def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
         stack.detach(attachment)
         last = _flushes(log)
         assert last > before + flushed  # the final flush at unmount (and close's FLUSH)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopped_process_flushes_what_it_acknowledged(
+    stack: BlockStack, tmp_path: Path, workers: int
+) -> None:
+    """A raw loop device sends no FLUSH when it is let go: the FUSE process's final
+    flush is what makes its acknowledged writes durable.  It is told to stop while a
+    write the server answers late is in flight; that write fails after the stop's
+    grace, and the final FLUSH still reaches the server and is answered, with workers
+    too (where the mounting process flushes only once they have ended)."""
+    with _nbdkit(tmp_path, "delay") as (uri, log):
+        attachment = stack.attach(uri, workers=workers)
+        _processes(attachment.pid, workers)
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        outcome: list[BaseException | int] = []
+
+        def write_late() -> None:
+            try:
+                with aligned(os.urandom(4096)) as buf:
+                    outcome.append(os.pwritev(fd, [buf], 4 * MiB))
+            except OSError as e:
+                outcome.append(e)
+
+        late = threading.Thread(target=write_late, daemon=True)
+        try:
+            with aligned(os.urandom(65536)) as buf:
+                assert os.pwritev(fd, [buf], 0) == 65536  # acknowledged
+            before = _flushes(log)
+            late.start()
+            time.sleep(1.0)  # in flight at the server
+            assert late.is_alive()
+            os.kill(attachment.pid, signal.SIGTERM)
+            started = time.monotonic()
+            bound = stop_bound(workers)
+            while _alive(attachment.pid) and time.monotonic() - started < bound:
+                time.sleep(0.05)
+            assert not _alive(attachment.pid), f"still running {bound:.0f} s after SIGTERM"
+            late.join(PROMPTLY)
+            assert not late.is_alive() and isinstance(outcome[0], OSError), outcome
+        finally:
+            os.close(fd)
+        text = Path(attachment.log_file).read_text(errors="replace")
+        assert "the last flush" not in text, text  # neither failed nor unanswered
+        assert _flushes(log) > before
+        stack.detach(attachment)
 
 
 def test_without_multi_conn_one_process_serves(stack: BlockStack, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from fuse.nbdconnections import ExportConnections
+from fuse.nbdconnections import STOP_GRACE, ExportConnections, ExportUnavailable
 from nbd import codec
 from nbd.client import Negotiated
 from nbd.constants import REQUEST_MAGIC, Command, TransmissionFlag
@@ -159,4 +159,118 @@ async def test_a_partial_refresh_leaves_no_connection_with_the_old_size(
             export.close()
             for server in [*old, grown, later]:
                 server.close()
+            nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ stop
+
+
+async def test_the_last_flush_is_answered_when_the_server_takes_longer_than_the_grace(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A server whose FLUSH takes 5 s (its fsync): the stop's grace does not cut it."""
+    server = Server(MiB, delay=STOP_GRACE + 2)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [])
+        export = ExportConnections(URI, await _started(nursery, [server]), connect=dial)
+        try:
+            export.stop()
+            with trio.fail_after(60):
+                await export.flush()
+            assert server.commands == [Command.FLUSH]
+            assert dial.calls == 0
+        finally:
+            export.close()
+            server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_last_flush_after_the_grace_goes_on_a_connection_kept_idle(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The mounting process flushes once its workers have ended, seconds after the
+    stop: the connections that had nothing in flight are still there for it."""
+    server = Server(MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [])
+        export = ExportConnections(URI, await _started(nursery, [server]), connect=dial)
+        try:
+            export.stop()
+            await trio.sleep(STOP_GRACE + 10)
+            with trio.fail_after(60):
+                await export.flush()
+            assert server.commands == [Command.FLUSH]
+            assert dial.calls == 0
+        finally:
+            export.close()
+            server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_request_unanswered_after_the_grace_fails_and_the_last_flush_reconnects(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A read the server leaves unanswered fails once the grace is over (its connection
+    closed); the last FLUSH then goes on a connection made for it."""
+    silent = Server(MiB, delay=None)
+    fresh = Server(MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [fresh])
+        export = ExportConnections(URI, await _started(nursery, [silent]), connect=dial)
+        try:
+            conn = export.ready_connection()
+            assert conn is not None
+            done: list[int] = []
+            conn.submit_pread(bytearray(4096), 4096, 0, done.append)
+            export.stop()
+            await trio.sleep(STOP_GRACE / 2)
+            assert done == []  # within the grace, it may still be answered
+            await trio.sleep(STOP_GRACE)
+            assert done and done[0] != 0 and not conn.alive
+            with trio.fail_after(60):
+                await export.flush()
+            assert dial.calls == 1 and fresh.commands == [Command.FLUSH]
+        finally:
+            export.close()
+            for server in (silent, fresh):
+                server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_stop_fails_what_waits_for_a_lost_server_at_once_the_last_flush_too(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The server is gone (its connection closed, nobody listens): a read waiting for it
+    fails as soon as the stop comes, and the last FLUSH makes one attempt and fails."""
+    server = Server(MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [])  # every connect refused
+        export = ExportConnections(
+            URI, await _started(nursery, [server]), timeout=120.0, connect=dial
+        )
+        try:
+            server.sock.shutdown(socket.SHUT_RDWR)  # the server went away
+            failed: list[BaseException] = []
+
+            async def read() -> None:
+                try:
+                    await export.pread_into(bytearray(4096), 0)
+                except ExportUnavailable as e:
+                    failed.append(e)
+
+            nursery.start_soon(read)
+            await trio.sleep(10)
+            assert failed == [] and dial.calls > 0  # waiting for the server
+            stopped = trio.current_time()
+            export.stop()
+            await trio.sleep(0.01)
+            assert len(failed) == 1
+            attempts = dial.calls
+            with pytest.raises(ExportUnavailable):
+                await export.flush()
+            assert dial.calls == attempts + 1
+            assert trio.current_time() - stopped < 1.0  # mock time: no wait for anything
+        finally:
+            export.close()
+            server.close()
             nursery.cancel_scope.cancel()
