@@ -1008,12 +1008,14 @@ def serve(
     timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     workers: int = DEFAULT_WORKERS,
-    ready: Callable[[], None] | None = None,
+    ready: Callable[..., None] | None = None,
     nbd_client: str = "auto",
 ) -> None:
     """Mount and serve in this process (and ``workers - 1`` more) until unmounted or
     sent SIGTERM/SIGINT.  ``nbd_client``: one of :data:`NBD_CLIENTS` (see
-    :func:`fuse.nbdconnections.connect`)."""
+    :func:`fuse.nbdconnections.connect`).  ``ready`` is called once the mount is
+    in place, with the export's ``minimum_block_size`` (the loop device's
+    logical block size is derived from it: :func:`fuse.blockdev.loop_block_size`)."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
     stop = EarlyStop()
@@ -1053,7 +1055,12 @@ def serve(
                 team = Workers(argv, fd, workers, shared)
                 filesystem.shared = shared
                 export.on_multi_conn_withdrawn = shared.make_single
-            trio.run(functools.partial(_serve, filesystem, fd, ready, stop, workers=team))
+            told = (
+                None
+                if ready is None
+                else functools.partial(ready, minimum_block_size=export.minimum_block_size)
+            )
+            trio.run(functools.partial(_serve, filesystem, fd, told, stop, workers=team))
         finally:
             if team is not None:
                 team.stop()

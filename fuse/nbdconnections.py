@@ -70,7 +70,7 @@ from typing import Final, TypeVar
 import trio
 
 from nbd.aio import AioConnection
-from nbd.libnbd import CmdFlag, NBDClient, NBDError
+from nbd.libnbd import BlockSize, CmdFlag, NBDClient, NBDError
 from nbd.pipeline import PipelinedConnection, PlainClient, is_plain
 from nbd.uri import parse_nbd_uri
 
@@ -213,6 +213,13 @@ def _socket_missing(uri: str) -> bool:
         return True
 
 
+def minimum_block_size(client: Client) -> int:
+    """The export's minimum block size as the server told ``client`` (1: none told)."""
+    if isinstance(client, PlainClient):
+        return client.minimum
+    return max(1, client.get_block_size(BlockSize.MINIMUM))
+
+
 def driven(client: Client) -> Connection:
     """The trio-driven connection for a negotiated ``client``."""
     if isinstance(client, PlainClient):
@@ -243,6 +250,7 @@ class ExportConnections:
         self.multi_conn = first.can_multi_conn()
         self.can_flush = first.can_flush()
         self.can_zero = first.can_zero()
+        self.minimum_block_size = minimum_block_size(first)
         self._connect = connect
         self._slots = [_Slot(driven(c), c.get_size(), c.can_multi_conn()) for c in clients]
         # since when (trio time) no request has been answered: one clock for the

@@ -45,11 +45,12 @@ from tests.conftest import (
     NBDServerFactory,
     NBDServerProcess,
     free_port,
+    run,
     sparse_image,
     stop_process,
     wait_for_port,
 )
-from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, reads_again
+from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, mkfs, reads_again
 
 TIMEOUT = 2.0  # the I/O timeout of the stalled-server test
 PROMPTLY = 60.0  # far above TIMEOUT + the watchdog period + a reconnect attempt
@@ -549,4 +550,41 @@ def test_a_servers_maximum_block_size_is_honoured(stack: BlockStack, tmp_path: P
             )
         ]
         assert sizes and max(sizes) == 65536, sorted(set(sizes))
+        stack.detach(attachment)
+
+
+def test_a_servers_minimum_block_size_is_the_loop_devices(
+    stack: BlockStack, tmp_path: Path
+) -> None:
+    """nbdkit refusing anything not aligned to 4 KiB (EINVAL): the loop device has
+    4 KiB logical blocks, as a kernel nbd device would, so a 512-byte direct write is
+    refused at the device, and mkfs.ext4 on it makes a filesystem whose data comes
+    back from the server whole (before, the device had 512-byte sectors: such I/O
+    reached the server and failed with EIO)."""
+    with _nbdkit(tmp_path, "blocksize-policy") as (uri, _):
+        attachment = stack.attach(uri)
+        name = os.path.basename(attachment.device)
+        queue = Path(f"/sys/block/{name}/queue")
+        assert (queue / "logical_block_size").read_text().strip() == "4096"
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        try:
+            with aligned(bytes(4096)) as buf, pytest.raises(OSError) as refused:
+                os.pwritev(fd, [memoryview(buf)[:512]], 0)
+            assert refused.value.errno == errno.EINVAL
+        finally:
+            os.close(fd)
+        mkfs("ext4", attachment.device)
+        target = stack.mount(attachment.device, "ext4")
+        data = os.urandom(3 * MiB + 512)
+        with (target / "file.bin").open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        stack.umount(target)
+        stack.detach(attachment)
+        attachment = stack.attach(uri)  # what is read now comes from the server
+        run(["e2fsck", "-f", "-n", attachment.device])
+        target = stack.mount(attachment.device, "ext4")
+        assert (target / "file.bin").read_bytes() == data
+        stack.umount(target)
         stack.detach(attachment)
