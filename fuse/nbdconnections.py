@@ -50,7 +50,10 @@ Choices, and why:
   fails every request waiting for a connection at once and, after
   :data:`STOP_GRACE` seconds, closes the connections that still have
   requests in flight, failing those: a process told to stop does not wait
-  for a server that is gone.  Its last FLUSH (:meth:`ExportConnections.flush`
+  for a server that is gone.  Once stopping, a request whose connection is
+  lost fails (EIO) rather than being sent again on another, so the grace
+  holds with several connections and every request is answered (or failed)
+  before the last FLUSH is sent.  Its last FLUSH (:meth:`ExportConnections.flush`
   once stopped) still goes out, on a connection that is alive or on one made
   for it (one attempt), so what the process acknowledged is made durable;
   its caller bounds it (``fuse.blockfile.FINAL_FLUSH_TIMEOUT``).
@@ -368,6 +371,10 @@ class ExportConnections:
                 conn = target.conn
                 if conn is None or not conn.alive:
                     conn = await self._connected(target, CONNECT_TIMEOUT)
+                    if self._stopping is not None:
+                        # made by an attempt begun before the stop: kept for the last
+                        # FLUSH, but the request waited for a connection, so it fails
+                        raise _Disconnected(self._stopping, definitive=True, known=True)
                 try:
                     result = await self._answered(conn, fn)
                 except NBDError as e:
@@ -380,6 +387,7 @@ class ExportConnections:
                     if not e.known:
                         self._refuse(str(e))
                     raise ExportUnavailable(f"{self.uri}: {e}") from None
+                self._fail_if_stopping(e)
                 now = trio.current_time()
                 if self._down_since is None:
                     self._down_since = now if e.since is None else e.since
@@ -398,12 +406,20 @@ class ExportConnections:
                 changed = self._changed
                 with trio.move_on_after(pause):
                     await changed.wait()  # a definitive answer or stop: fail now
+                self._fail_if_stopping(e)
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             if self._down_since is not None:
                 self._down_since = None
                 log.warning("%s: connected again", self.uri)
             return result
+
+    def _fail_if_stopping(self, lost: _Disconnected) -> None:
+        """Once stopping, a request whose connection was lost (or closed by
+        :meth:`_close_after`) fails instead of going again on another connection: the
+        grace bounds it, and nothing is answered after the last FLUSH was sent."""
+        if self._stopping is not None:
+            raise ExportUnavailable(f"{self.uri}: {self._stopping}: {lost}") from None
 
     async def _answered(self, conn: Connection, fn: Callable[[Connection], Awaitable[T]]) -> T:
         """``fn(conn)``; a server that does not answer within the timeout has lost the
@@ -461,20 +477,25 @@ class ExportConnections:
         trio.lowlevel.spawn_system_task(self._close_after, STOP_GRACE)
 
     async def _close_after(self, grace: float) -> None:
-        """Close the connections that still have requests in flight (failing them);
-        those that are idle stay for the last FLUSH.  Once that has begun, every
-        request before it was answered, and it has a bound of its own: nothing is
-        closed."""
+        """Close the connections that still have requests in flight: those requests
+        fail (stopping, a lost connection is not failed over: :meth:`_fail_if_stopping`);
+        the idle connections stay for the last FLUSH.  Once that has begun, every
+        request before it was answered or failed, and it has a bound of its own:
+        nothing is closed."""
         await trio.sleep(grace)
         if self._last_flush:
             return
-        for slot in self._slots:
-            conn = slot.conn
-            if conn is not None and conn.in_flight:
-                log.warning(
-                    "%s: requests still in flight after %.0fs: failing them", self.uri, grace
-                )
-                slot.conn = None
+        busy = [s for s in self._slots if s.conn is not None and s.conn.in_flight]
+        if busy:
+            log.warning(
+                "%s: requests still in flight after %.0fs on %d connection(s): failing them",
+                self.uri,
+                grace,
+                len(busy),
+            )
+        for slot in busy:
+            conn, slot.conn = slot.conn, None
+            if conn is not None:
                 conn.close()
 
     def _note(self, slot: _Slot) -> None:

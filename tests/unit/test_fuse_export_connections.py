@@ -4,8 +4,9 @@
   connection left with the old size would refuse (EINVAL) requests into the space
   an online expand added.
 - A stop (SIGTERM) fails requests waiting for a lost server at once and those
-  a server leaves unanswered after the grace, but the process's final FLUSH
-  still reaches a server that answers, late or after the grace.
+  a server leaves unanswered after the grace (not sent again on another
+  connection), but the process's final FLUSH still reaches a server that
+  answers, late or after the grace.
 
 The server ends are socketpairs answered by :class:`Server` in this test's trio
 loop (moorage's pipelined client on the other end); the clock is trio's MockClock,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from typing import Final
 
 import pytest
@@ -111,6 +113,21 @@ class Dialer:
             raise NBDError(f"connect: {errno.errorcode[outcome]}", outcome)
         trio.from_thread.run_sync(self.nursery.start_soon, outcome.serve, self.nursery)
         return outcome.client()
+
+
+class GatedDialer(Dialer):
+    """A :class:`Dialer` whose connect says it began (``dialling``), then waits for
+    ``gate`` (at most 10 s, real time) before it goes on."""
+
+    def __init__(self, nursery: trio.Nursery, outcomes: list[Server | int]) -> None:
+        super().__init__(nursery, outcomes)
+        self.dialling = trio.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, uri: str) -> PlainClient:
+        trio.from_thread.run_sync(self.dialling.set)
+        self.gate.wait(10)
+        return super().__call__(uri)
 
 
 async def _started(nursery: trio.Nursery, servers: list[Server]) -> list[PlainClient]:
@@ -237,6 +254,71 @@ async def test_a_request_unanswered_after_the_grace_fails_and_the_last_flush_rec
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("sent", ["in a task", "without a task"])
+async def test_a_request_unanswered_after_the_grace_fails_rather_than_going_to_another_connection(
+    mock_clock: trio.testing.MockClock, sent: str
+) -> None:
+    """Two connections (multi-conn): a read on the silent one fails once the grace is
+    over, and is not sent again on the other, idle one, which the last FLUSH uses.
+    Both ways a request is sent: by a task (``pread_into``), and at once then
+    ``resubmit`` when its connection is lost (the block file's fast path)."""
+    silent = Server(MiB, delay=None)
+    idle = Server(MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [])
+        export = ExportConnections(
+            URI, await _started(nursery, [silent, idle]), timeout=120.0, connect=dial
+        )
+        try:
+            outcome: list[BaseException | None] = []
+            ended = trio.Event()
+
+            async def read() -> None:
+                try:
+                    if sent == "in a task":
+                        await export.pread_into(bytearray(4096), 0)
+                    else:
+                        conn = export.ready_connection()
+                        assert conn is not None and conn is export._slots[0].conn  # silent
+                        lost = trio.Event()
+                        errors: list[int] = []
+
+                        def done(error: int) -> None:
+                            errors.append(error)
+                            lost.set()
+
+                        conn.submit_pread(bytearray(4096), 4096, 0, done)
+                        await lost.wait()
+                        assert errors[0] != 0 and not export.answer_of(conn, errors[0])
+                        await export.resubmit(
+                            conn, errors[0], lambda c: c.pread_into(bytearray(4096), 0)
+                        )
+                except ExportUnavailable as e:
+                    outcome.append(e)
+                else:
+                    outcome.append(None)
+                ended.set()
+
+            nursery.start_soon(read)
+            await trio.sleep(0.01)
+            assert silent.commands == [Command.READ]
+            export.stop()
+            stopped = trio.current_time()
+            with trio.fail_after(STOP_GRACE + 1):
+                await ended.wait()
+            assert isinstance(outcome[0], ExportUnavailable), outcome
+            assert trio.current_time() - stopped >= STOP_GRACE  # the grace was given
+            assert idle.commands == []  # not sent again there
+            with trio.fail_after(60):
+                await export.flush()
+            assert idle.commands == [Command.FLUSH] and dial.calls == 0
+        finally:
+            export.close()
+            for server in (silent, idle):
+                server.close()
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_stop_fails_what_waits_for_a_lost_server_at_once_the_last_flush_too(
     mock_clock: trio.testing.MockClock,
 ) -> None:
@@ -273,4 +355,51 @@ async def test_a_stop_fails_what_waits_for_a_lost_server_at_once_the_last_flush_
         finally:
             export.close()
             server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_made_after_the_stop_serves_the_last_flush_not_the_request(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A read waits for a new connection whose attempt began before the stop and ends
+    after it: the read fails (it waited for a connection), and the connection is kept
+    for the last FLUSH."""
+    server = Server(MiB)
+    fresh = Server(MiB)
+    async with trio.open_nursery() as nursery:
+        dial = GatedDialer(nursery, [fresh])
+        export = ExportConnections(
+            URI, await _started(nursery, [server]), timeout=120.0, connect=dial
+        )
+        try:
+            server.sock.shutdown(socket.SHUT_RDWR)  # the server went away
+            outcome: list[BaseException | None] = []
+            ended = trio.Event()
+
+            async def read() -> None:
+                try:
+                    await export.pread_into(bytearray(4096), 0)
+                except ExportUnavailable as e:
+                    outcome.append(e)
+                else:
+                    outcome.append(None)
+                ended.set()
+
+            nursery.start_soon(read)
+            with trio.fail_after(5):
+                await dial.dialling.wait()
+            export.stop()
+            dial.gate.set()
+            with trio.fail_after(1):
+                await ended.wait()
+            assert isinstance(outcome[0], ExportUnavailable), outcome
+            assert fresh.commands == []
+            with trio.fail_after(60):
+                await export.flush()
+            assert fresh.commands == [Command.FLUSH] and dial.calls == 1
+        finally:
+            dial.gate.set()
+            export.close()
+            for each in (server, fresh):
+                each.close()
             nursery.cancel_scope.cancel()
