@@ -266,6 +266,7 @@ class ExportConnections:
         self._changed = trio.Event()  # wakes requests waiting to retry
         self._watching = False  # the watchdog task runs (started with the first request)
         self._retired: set[Connection] = set()  # replaced by refresh, still draining
+        self._remaking: set[int] = set()  # slots a refresh could not remake, tried again
         self._closed = False
         # called once a new connection no longer advertises multi-conn
         self.on_multi_conn_withdrawn: Callable[[], None] | None = None
@@ -599,7 +600,8 @@ class ExportConnections:
         Requests go on meanwhile: each connection is replaced by a new one,
         and the old one closed once its requests are answered.  A connection
         that cannot be made again now is retired too (it would keep the old
-        size: requests past it would fail), and made again when next used.
+        size: requests past it would fail) and tried again in the background
+        (:meth:`_remake`), so the export does not go on with fewer connections.
         """
         for slot in self._slots:
             async with slot.connecting:
@@ -608,9 +610,10 @@ class ExportConnections:
                     client = await self._attempt(CONNECT_TIMEOUT)
                 except _Disconnected as e:
                     # the old connection may have the old size, and others the new one:
-                    # it is retired all the same, and made again when next used
-                    log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
+                    # it is retired all the same, and made again in the background
+                    log.warning("%s: refresh: %s; the connection is tried again", self.uri, e)
                     slot.conn = None
+                    self._remake_later(slot)
                 else:
                     slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
                     slot.conn = driven(client)
@@ -625,6 +628,51 @@ class ExportConnections:
         if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
             await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
         return self.size
+
+    def _remake_later(self, slot: _Slot) -> None:
+        index = self._slots.index(slot)
+        if index not in self._remaking:
+            self._remaking.add(index)
+            trio.lowlevel.spawn_system_task(self._remake, index, name="nbd-remake")
+
+    async def _remake(self, index: int) -> None:
+        """Make slot ``index``'s connection again, with the backoff of a request
+        (:data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`), until it is made (or
+        was, by a request or a refresh), the answer is definitive, the export stops,
+        or the export's timeout (:data:`DEFAULT_IO_TIMEOUT` if none) has passed."""
+        slot = self._slots[index]
+        bound = self.timeout if self.timeout is not None else DEFAULT_IO_TIMEOUT
+        deadline = trio.current_time() + bound
+        delay = RETRY_FIRST
+        try:
+            while True:
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+                if self._closed or self._stopping is not None:
+                    return
+                if slot.conn is not None and slot.conn.alive:
+                    return  # made meanwhile
+                left = deadline - trio.current_time()
+                try:
+                    await self._connected(slot, max(left, 0.0))
+                except _Disconnected as e:
+                    if e.definitive or trio.current_time() >= deadline:
+                        alive = sum(1 for s in self._slots if s.conn is not None and s.conn.alive)
+                        log.warning(
+                            "%s: a connection could not be made again (%s): %d of %d in use",
+                            self.uri,
+                            e,
+                            alive,
+                            len(self._slots),
+                        )
+                        return
+                    continue
+                log.info("%s: connection %d made again", self.uri, index)
+                return
+        except Exception:  # a system task's failure would end the whole run
+            log.exception("%s: making connection %d again failed", self.uri, index)
+        finally:
+            self._remaking.discard(index)
 
     def close(self) -> None:
         """Disconnect every connection (requests still in flight fail)."""

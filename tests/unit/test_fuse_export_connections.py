@@ -2,7 +2,8 @@
 
 - A refresh that reconnects only some connections retires the others too: a
   connection left with the old size would refuse (EINVAL) requests into the space
-  an online expand added.
+  an online expand added.  Those are made again in the background (within the
+  export's timeout).
 - A stop (SIGTERM) fails requests waiting for a lost server at once and those
   a server leaves unanswered after the grace (not sent again on another
   connection), but the process's final FLUSH still reaches a server that
@@ -175,6 +176,69 @@ async def test_a_partial_refresh_leaves_no_connection_with_the_old_size(
         finally:
             export.close()
             for server in [*old, grown, later]:
+                server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def _all_alive(export: ExportConnections) -> None:
+    with trio.fail_after(60):
+        while not all(s.conn is not None and s.conn.alive for s in export._slots):
+            await trio.sleep(0.5)
+
+
+async def test_a_connection_a_refresh_could_not_make_is_made_again_later(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The connection a refresh retired comes back in the background, after a failed
+    attempt too, with the new size: the export goes on with all its connections."""
+    old = [Server(MiB), Server(MiB)]
+    grown = Server(2 * MiB)
+    later = Server(2 * MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [grown, errno.ECONNRESET, errno.ECONNREFUSED, later])
+        export = ExportConnections(URI, await _started(nursery, old), timeout=30.0, connect=dial)
+        try:
+            with trio.fail_after(10):
+                assert await export.refresh() == 2 * MiB
+            await _all_alive(export)
+            assert dial.calls == 4
+            sizes = [s.conn.client.get_size() for s in export._slots if s.conn is not None]
+            assert sizes == [2 * MiB, 2 * MiB]
+            with trio.fail_after(10):
+                async with trio.open_nursery() as reads:  # both connections used
+                    for _ in range(8):
+                        reads.start_soon(export.pread_into, bytearray(4096), MiB)
+            assert Command.READ in grown.commands and Command.READ in later.commands
+        finally:
+            export.close()
+            for server in [*old, grown, later]:
+                server.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_a_refresh_could_not_make_is_tried_again_for_the_timeout_only(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A server that refuses every new connection after the refresh: the retired
+    connection is tried again for the export's timeout, then no more."""
+    old = [Server(MiB), Server(MiB)]
+    grown = Server(2 * MiB)
+    async with trio.open_nursery() as nursery:
+        dial = Dialer(nursery, [grown, errno.ECONNRESET])  # then refused for good
+        export = ExportConnections(URI, await _started(nursery, old), timeout=30.0, connect=dial)
+        try:
+            start = trio.current_time()
+            with trio.fail_after(10):
+                assert await export.refresh() == 2 * MiB
+            await trio.sleep(35 - (trio.current_time() - start))
+            tried = dial.calls
+            assert tried > 3  # tried again, more than once
+            await trio.sleep(100)
+            assert dial.calls == tried  # and then no more
+            assert not export._remaking
+        finally:
+            export.close()
+            for server in [*old, grown]:
                 server.close()
             nursery.cancel_scope.cancel()
 
