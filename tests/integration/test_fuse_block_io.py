@@ -374,15 +374,18 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _nbdkit(tmp_path: Path, *filters: str) -> Iterator[tuple[str, Path]]:
+def _nbdkit(tmp_path: Path, *filters: str, log_first: bool = False) -> Iterator[tuple[str, Path]]:
     """nbdkit serving a sparse image with its log filter (every command, one line at
-    its start): (the URI, the log).  ``filters``: more ``--filter=`` arguments first."""
+    its start): (the URI, the log).  ``filters``: more ``--filter=`` arguments, before
+    the log filter (closer to the client: the log sees what they let through), or
+    after it with ``log_first`` (the log sees a command as it arrives)."""
     image = sparse_image(tmp_path / "nbdkit.img", IMAGE_SIZE)
     log = tmp_path / "nbdkit-commands.log"
     port = free_port()
     argv = ["nbdkit", "--foreground", "--exit-with-parent", "-i", "127.0.0.1", "-p", str(port)]
-    argv += [f"--filter={f}" for f in filters]
-    argv += ["--filter=log", "file", str(image), f"logfile={log}", *_FILTER_ARGS[filters]]
+    stack = [*filters, "log"] if not log_first else ["log", *filters]
+    argv += [f"--filter={f}" for f in stack]
+    argv += ["file", str(image), f"logfile={log}", *_FILTER_ARGS[filters]]
     with (tmp_path / "nbdkit.out").open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out)
     try:
@@ -409,6 +412,16 @@ _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
 def _flushes(log: Path) -> int:
     """FLUSH commands the server received (its log has a line as each one starts)."""
     return sum(1 for line in log.read_text().splitlines() if " Flush id=" in line)
+
+
+def _arrived(log: Path, command: str, offset: int, within: float = PROMPTLY) -> None:
+    """Until the server has logged ``command`` at ``offset`` (as it arrives, with the
+    log filter first)."""
+    line = re.compile(rf" {command} id=\d+ offset={offset:#x} ")
+    deadline = time.monotonic() + within
+    while not line.search(log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"no {command} at {offset:#x} within {within}s"
+        time.sleep(0.02)
 
 
 def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
@@ -462,10 +475,11 @@ def test_a_stopped_process_flushes_what_it_acknowledged(
 ) -> None:
     """A raw loop device sends no FLUSH when it is let go: the FUSE process's final
     flush is what makes its acknowledged writes durable.  It is told to stop while a
-    write the server answers late is in flight; that write fails after the stop's
-    grace, and the final FLUSH still reaches the server and is answered, with workers
-    too (where the mounting process flushes only once they have ended)."""
-    with _nbdkit(tmp_path, "delay") as (uri, log):
+    write the server answers late is in flight (nbdkit logged it on arrival); that
+    write fails after the stop's grace (not sent again on another connection), and
+    the final FLUSH still reaches the server and is answered, with workers too (where
+    the mounting process flushes only once they have ended)."""
+    with _nbdkit(tmp_path, "delay", log_first=True) as (uri, log):
         attachment = stack.attach(uri, workers=workers)
         _processes(attachment.pid, workers)
         fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
@@ -484,7 +498,7 @@ def test_a_stopped_process_flushes_what_it_acknowledged(
                 assert os.pwritev(fd, [buf], 0) == 65536  # acknowledged
             before = _flushes(log)
             late.start()
-            time.sleep(1.0)  # in flight at the server
+            _arrived(log, "Write", 4 * MiB)  # in flight at the server (answered 5 s late)
             assert late.is_alive()
             os.kill(attachment.pid, signal.SIGTERM)
             started = time.monotonic()
