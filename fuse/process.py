@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -182,17 +183,25 @@ class Answer:
     facts: dict[str, int] = field(default_factory=dict)
 
 
+_FACT: Final = re.compile(rb"([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)")  # ASCII only
+
+
+def _says_ready(line: bytes) -> bool:
+    """Whether ``line`` is a ready line, readable or not."""
+    return line.split()[:1] == [READY.strip()]
+
+
 def _ready_facts(line: bytes) -> dict[str, int] | None:
-    """The facts of a ready line (``ready name=number ...``); None if it is none."""
-    words = line.split()
-    if not line.endswith(b"\n") or not words or words[0] != READY.strip():
+    """The facts of a ready line (``ready name=number ...``); None if it is none or
+    cannot be read."""
+    if not line.endswith(b"\n") or not _says_ready(line):
         return None
     facts = {}
-    for word in words[1:]:
-        name, equals, value = word.decode(errors="replace").partition("=")
-        if not equals or not name or not value.isdigit():
+    for word in line.split()[1:]:
+        fact = _FACT.fullmatch(word)
+        if fact is None:
             return None
-        facts[name] = int(value)
+        facts[fact[1].decode()] = int(fact[2])
     return facts
 
 
@@ -205,8 +214,9 @@ def await_ready(
 ) -> Answer:
     """The starter's side: no failure once ``proc`` said ``ready`` on ``read_end``.
 
-    Otherwise the process is reaped (terminated first if it did not answer:
-    one that answered with an error is exiting by itself), ``after_failure``
+    Otherwise the process is reaped (terminated first if it did not answer, or
+    said ready in a line that cannot be read: it is serving its mount; one that
+    answered with an error is exiting by itself), ``after_failure``
     cleans up what it may have left (a mount), and the reason is the
     failure, with its exit code: its error line, ``silent()`` if it exited
     without one, or that it did not answer in time.
@@ -217,7 +227,7 @@ def await_ready(
     facts = _ready_facts(answer) if answer is not None else None
     if facts is not None:
         return Answer(None, facts)
-    if answer is None:
+    if answer is None or _says_ready(answer):
         proc.terminate()
     try:
         code = proc.wait(timeout=10)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -62,16 +63,20 @@ async def test_the_process_learns_the_minimum_from_the_server(tmp_path: Path, cl
     assert export.minimum_block_size == 4096
 
 
-def _said(line: bytes | None, **facts: int) -> Answer:
-    """What the starter makes of a mount process's ready line (or of ``facts``)."""
+def _said(line: bytes | None, argv: tuple[str, ...] = ("true",), **facts: int) -> Answer:
+    """What the starter makes of a mount process's ready line (or of ``facts``), the
+    process being ``argv``."""
     read_end, write_end = os.pipe()
     if line is None:
         ReadySignal(write_end).ready(**facts)  # writes, and closes write_end
     else:
         os.write(write_end, line)
         os.close(write_end)
-    with subprocess.Popen(["true"]) as proc:
-        return await_ready(proc, read_end, 5.0, lambda: None, lambda: "silent")
+    with subprocess.Popen(argv) as proc:
+        try:
+            return await_ready(proc, read_end, 5.0, lambda: None, lambda: "silent")
+        finally:
+            proc.kill()  # reaped by the with block; a no-op once it has been
 
 
 def test_the_ready_line_carries_the_facts() -> None:
@@ -84,6 +89,22 @@ def test_a_ready_line_that_cannot_be_read_is_a_failure() -> None:
     answer = _said(b"ready minimum_block_size=big\n")
     assert answer.failure is not None and "minimum_block_size=big" in answer.failure
     assert _said(b"error: no such export\n").failure == "exited 0: error: no such export"
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0664", "-1", "1_0", ""])
+def test_a_fact_is_ascii_digits_only(value: str) -> None:
+    """Superscript two and an Arabic-Indic four are digits to str.isdigit, and int()
+    would take the second: neither is a number the process writes."""
+    line = f"ready minimum_block_size={value}\n".encode()
+    answer = _said(line)
+    assert answer.failure is not None and "minimum_block_size" in answer.failure
+
+
+def test_a_process_whose_ready_line_cannot_be_read_is_terminated() -> None:
+    """It is alive and serving its mount: told to stop (SIGTERM, so it can unmount),
+    not left to a wait and then SIGKILL."""
+    answer = _said(b"ready minimum_block_size=big\n", argv=("sleep", "60"))
+    assert answer.failure == f"exited {-signal.SIGTERM}: ready minimum_block_size=big"
 
 
 def test_the_kernel_nbd_path_has_the_same_rule() -> None:
