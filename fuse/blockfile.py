@@ -85,7 +85,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import trio
 
@@ -1000,6 +1000,13 @@ async def _serve(
         nursery.cancel_scope.cancel()
 
 
+class Ready(Protocol):
+    """What :func:`serve` calls once the mount is in place, with what the starter
+    needs to know (:meth:`fuse.process.ReadySignal.ready` passes it on)."""
+
+    def __call__(self, *, minimum_block_size: int) -> None: ...
+
+
 def serve(
     uri: str,
     mountpoint: str | os.PathLike[str],
@@ -1008,7 +1015,7 @@ def serve(
     timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     workers: int = DEFAULT_WORKERS,
-    ready: Callable[..., None] | None = None,
+    ready: Ready | None = None,
     nbd_client: str = "auto",
 ) -> None:
     """Mount and serve in this process (and ``workers - 1`` more) until unmounted or
