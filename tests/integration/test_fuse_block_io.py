@@ -414,12 +414,17 @@ def _flushes(log: Path) -> int:
     return sum(1 for line in log.read_text().splitlines() if " Flush id=" in line)
 
 
+def _received(log: Path, command: str, offset: int) -> int:
+    """How many times the server has logged ``command`` at ``offset``."""
+    line = re.compile(rf" {command} id=\d+ offset={offset:#x} ")
+    return len(line.findall(log.read_text() if log.exists() else ""))
+
+
 def _arrived(log: Path, command: str, offset: int, within: float = PROMPTLY) -> None:
     """Until the server has logged ``command`` at ``offset`` (as it arrives, with the
     log filter first)."""
-    line = re.compile(rf" {command} id=\d+ offset={offset:#x} ")
     deadline = time.monotonic() + within
-    while not line.search(log.read_text() if log.exists() else ""):
+    while not _received(log, command, offset):
         assert time.monotonic() < deadline, f"no {command} at {offset:#x} within {within}s"
         time.sleep(0.02)
 
@@ -513,6 +518,8 @@ def test_a_stopped_process_flushes_what_it_acknowledged(
         text = Path(attachment.log_file).read_text(errors="replace")
         assert "the last flush" not in text, text  # neither failed nor unanswered
         assert _flushes(log) > before
+        # failed once the grace closed its connection, not sent again on another one
+        assert _received(log, "Write", 4 * MiB) == 1
         stack.detach(attachment)
 
 
