@@ -31,6 +31,14 @@ one process whatever was asked.  ``nbd_client`` (the block file's
 benchmarks and tests pass ``libnbd`` to compare.  It is kept in the record
 as the process was started with it.
 
+The loop device's logical block size is the export's minimum block size,
+at least 512 (:func:`loop_block_size`, as the kernel nbd path has it): a
+device with 512-byte sectors on an export with a 4 KiB minimum would take
+requests the server refuses (EINVAL: mkfs, 512-byte direct I/O), so they
+are refused at the device instead.  The FUSE process says the minimum in
+its ready line (it is what the server told its connections); an export
+whose minimum is above 4 KiB is refused.
+
 Attach is idempotent (the same URI gives the attachment that exists, or
 repairs a half-made one); detach is idempotent and refuses a device that is
 still mounted (:class:`fuse.loop.LoopBusy`), since the FUSE process must
@@ -79,6 +87,7 @@ RECORD: Final = "attachment.json"
 LOG: Final = "blockfile.log"
 MOUNTPOINT: Final = "mnt"
 READY_TIMEOUT: Final = 60.0
+MAX_LOOP_BLOCK_SIZE: Final = 4096  # what fuse.loop.attach_loop takes (the page size)
 _URI_SCHEMES: Final = ("nbd://", "nbds://", "nbd+unix://", "nbds+unix://")
 
 
@@ -278,8 +287,9 @@ def _start_blockfile(
     ready_timeout: float,
     workers: int = DEFAULT_WORKERS,
     nbd_client: str = "auto",
-) -> subprocess.Popen[bytes]:
-    """``python -m fuse.blockfile`` on ``directory/mnt``, once it is ready."""
+) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """``python -m fuse.blockfile`` on ``directory/mnt``, once it is ready; with what
+    its ready line said (the export's ``minimum_block_size``)."""
     mountpoint = directory / MOUNTPOINT
     argv = [sys.executable, "-m", "fuse.blockfile", uri, os.fspath(mountpoint)]
     argv += ["--connections", str(connections), "--timeout", str(timeout)]
@@ -307,12 +317,27 @@ def _start_blockfile(
         if is_mounted(mountpoint):
             _unmount(mountpoint)
 
-    failure = await_ready(
+    answer = await_ready(
         proc, read_end, ready_timeout, unmount_if_mounted, lambda: _log_tail(directory / LOG)
     )
-    if failure is None:
-        return proc
-    raise BlockAttachError(f"{uri}: FUSE block file {failure}")
+    if answer.failure is None:
+        return proc, answer.facts
+    raise BlockAttachError(f"{uri}: FUSE block file {answer.failure}")
+
+
+def loop_block_size(minimum: int) -> int:
+    """The loop device's logical block size for an export whose minimum block size
+    is ``minimum``: 512, or the minimum where it is larger (as the kernel nbd path
+    has it), so that no request the device takes is one the server refuses.  A
+    loop device takes at most :data:`MAX_LOOP_BLOCK_SIZE`: a larger minimum is
+    refused (:class:`BlockAttachError`)."""
+    size = max(512, minimum)
+    if size > MAX_LOOP_BLOCK_SIZE:
+        raise BlockAttachError(
+            f"the export's minimum block size is {minimum} bytes: a loop device takes "
+            f"at most {MAX_LOOP_BLOCK_SIZE}"
+        )
+    return size
 
 
 # ------------------------------------------------------------------ attach, detach
@@ -441,7 +466,7 @@ def attach_fuse_block(
         }
         _write_json(directory / RECORD, record)
         try:
-            proc = _start_blockfile(
+            proc, facts = _start_blockfile(
                 uri, directory, connections, timeout, ready_timeout, workers, nbd_client
             )
             record["pid"] = proc.pid
@@ -449,7 +474,10 @@ def attach_fuse_block(
             _write_json(directory / RECORD, record)
             file = os.path.join(record["mountpoint"], DISK)
             read_only = not os.stat(file).st_mode & 0o200
-            record["device"] = attach_loop(file, read_only=read_only, direct_io=direct_io)
+            block_size = loop_block_size(facts.get("minimum_block_size", 1))
+            record["device"] = attach_loop(
+                file, read_only=read_only, direct_io=direct_io, block_size=block_size
+            )
             record["state"] = "attached"
             _write_json(directory / RECORD, record)
         except BaseException:

@@ -85,7 +85,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import trio
 
@@ -988,12 +988,23 @@ async def _serve(
             # and covers whatever any process wrote (filesystem.shared is set)
             workers.stop()
             await workers.ended(WORKER_STOP_TIMEOUT)
-        with trio.move_on_after(FINAL_FLUSH_TIMEOUT):
+        # once stopped, the export sends this FLUSH on a connection still alive or on
+        # one made for it, whatever the stop closed
+        with trio.move_on_after(FINAL_FLUSH_TIMEOUT) as flushing:
             try:
                 await filesystem.sync()
             except FuseError as e:
                 log.error("the last flush failed: %s", os.strerror(e.errno))
+        if flushing.cancelled_caught:
+            log.error("the last flush was not answered within %.0fs", FINAL_FLUSH_TIMEOUT)
         nursery.cancel_scope.cancel()
+
+
+class Ready(Protocol):
+    """What :func:`serve` calls once the mount is in place, with what the starter
+    needs to know (:meth:`fuse.process.ReadySignal.ready` passes it on)."""
+
+    def __call__(self, *, minimum_block_size: int) -> None: ...
 
 
 def serve(
@@ -1004,12 +1015,14 @@ def serve(
     timeout: float = DEFAULT_IO_TIMEOUT,
     direct_io: bool = True,
     workers: int = DEFAULT_WORKERS,
-    ready: Callable[[], None] | None = None,
+    ready: Ready | None = None,
     nbd_client: str = "auto",
 ) -> None:
     """Mount and serve in this process (and ``workers - 1`` more) until unmounted or
     sent SIGTERM/SIGINT.  ``nbd_client``: one of :data:`NBD_CLIENTS` (see
-    :func:`fuse.nbdconnections.connect`)."""
+    :func:`fuse.nbdconnections.connect`).  ``ready`` is called once the mount is
+    in place, with the export's ``minimum_block_size`` (the loop device's
+    logical block size is derived from it: :func:`fuse.blockdev.loop_block_size`)."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, "mount point is not a directory", mountpoint)
     stop = EarlyStop()
@@ -1049,7 +1062,12 @@ def serve(
                 team = Workers(argv, fd, workers, shared)
                 filesystem.shared = shared
                 export.on_multi_conn_withdrawn = shared.make_single
-            trio.run(functools.partial(_serve, filesystem, fd, ready, stop, workers=team))
+            told = (
+                None
+                if ready is None
+                else functools.partial(ready, minimum_block_size=export.minimum_block_size)
+            )
+            trio.run(functools.partial(_serve, filesystem, fd, told, stop, workers=team))
         finally:
             if team is not None:
                 team.stop()

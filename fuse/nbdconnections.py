@@ -48,9 +48,15 @@ Choices, and why:
   a server or an export that comes back is used again.
 - **Stopping.** :meth:`ExportConnections.stop` (the process got SIGTERM)
   fails every request waiting for a connection at once and, after
-  :data:`STOP_GRACE` seconds, closes the connections, failing what is still
-  in flight: a process told to stop ends within seconds whatever the
-  server does.
+  :data:`STOP_GRACE` seconds, closes the connections that still have
+  requests in flight, failing those: a process told to stop does not wait
+  for a server that is gone.  Once stopping, a request whose connection is
+  lost fails (EIO) rather than being sent again on another, so the grace
+  holds with several connections and every request is answered (or failed)
+  before the last FLUSH is sent.  Its last FLUSH (:meth:`ExportConnections.flush`
+  once stopped) still goes out, on a connection that is alive or on one made
+  for it (one attempt), so what the process acknowledged is made durable;
+  its caller bounds it (``fuse.blockfile.FINAL_FLUSH_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from typing import Final, TypeVar
 import trio
 
 from nbd.aio import AioConnection
-from nbd.libnbd import CmdFlag, NBDClient, NBDError
+from nbd.libnbd import BlockSize, CmdFlag, NBDClient, NBDError
 from nbd.pipeline import PipelinedConnection, PlainClient, is_plain
 from nbd.uri import parse_nbd_uri
 
@@ -174,11 +180,26 @@ def connect(uri: str, client: str = "auto") -> Client:
     try:
         return NBDClient.open(uri, meta_contexts=())
     except NBDError as e:
-        # libnbd says ENOENT both for connect(2) to a missing socket file and for
-        # NBD_REP_ERR_UNKNOWN; the file being gone tells them apart
-        if e.errno == errno.ENOENT and _socket_missing(uri):
+        if e.errno == errno.ENOENT and _nobody_listening(uri, e.message):
             raise NBDError(f"{e.message} (no server listening)", errno.ECONNREFUSED) from e
         raise
+
+
+def _nobody_listening(uri: str, message: str) -> bool:
+    """Whether libnbd's ENOENT is connect(2)'s (no socket file: nobody listens) rather
+    than the handshake's NBD_REP_ERR_UNKNOWN ("no such export").  libnbd gives both
+    the same errno, but its message names the step that failed: ``nbd_connect_uri:
+    connect: ...`` or ``nbd_connect_uri: handshake: ...`` (1.14).  That decides, not
+    a look at the socket file afterwards, which a server restarting (unlink, then
+    bind) may have created or removed in between.  A message naming neither step
+    falls back to that look."""
+    parts = message.split(": ", 2)
+    step = parts[1] if len(parts) == 3 and parts[0].startswith("nbd_") else None
+    if step == "connect":
+        return True
+    if step == "handshake":
+        return False
+    return _socket_missing(uri)
 
 
 def _socket_missing(uri: str) -> bool:
@@ -193,6 +214,13 @@ def _socket_missing(uri: str) -> bool:
         return not stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
         return True
+
+
+def minimum_block_size(client: Client) -> int:
+    """The export's minimum block size as the server told ``client`` (1: none told)."""
+    if isinstance(client, PlainClient):
+        return client.minimum
+    return max(1, client.get_block_size(BlockSize.MINIMUM))
 
 
 def driven(client: Client) -> Connection:
@@ -225,6 +253,7 @@ class ExportConnections:
         self.multi_conn = first.can_multi_conn()
         self.can_flush = first.can_flush()
         self.can_zero = first.can_zero()
+        self.minimum_block_size = minimum_block_size(first)
         self._connect = connect
         self._slots = [_Slot(driven(c), c.get_size(), c.can_multi_conn()) for c in clients]
         # since when (trio time) no request has been answered: one clock for the
@@ -233,9 +262,11 @@ class ExportConnections:
         # the last definitive answer (or the bound passed), and when (trio time)
         self._refused: tuple[str, float] | None = None
         self._stopping: str | None = None
+        self._last_flush = False  # the stopping process's last FLUSH has begun
         self._changed = trio.Event()  # wakes requests waiting to retry
         self._watching = False  # the watchdog task runs (started with the first request)
         self._retired: set[Connection] = set()  # replaced by refresh, still draining
+        self._remaking: set[int] = set()  # slots a refresh could not remake, tried again
         self._closed = False
         # called once a new connection no longer advertises multi-conn
         self.on_multi_conn_withdrawn: Callable[[], None] | None = None
@@ -271,8 +302,9 @@ class ExportConnections:
 
     # -------------------------------------------------------------- connections
 
-    async def _connected(self, slot: _Slot, bound: float) -> Connection:
-        """The slot's connection, made again first if it was lost (within ``bound`` s)."""
+    async def _connected(self, slot: _Slot, bound: float, *, last: bool = False) -> Connection:
+        """The slot's connection, made again first if it was lost (within ``bound`` s);
+        once stopping, only for the last FLUSH (``last``)."""
         conn = slot.conn
         if conn is not None and conn.alive:
             return conn
@@ -283,7 +315,7 @@ class ExportConnections:
             if conn is not None:
                 conn.close()
                 slot.conn = None
-            if self._stopping is not None:
+            if self._stopping is not None and not last:
                 raise _Disconnected(self._stopping, definitive=True, known=True)
             refused = self._refused
             if refused is not None and trio.current_time() - refused[1] < RETRY_MAX:
@@ -340,6 +372,10 @@ class ExportConnections:
                 conn = target.conn
                 if conn is None or not conn.alive:
                     conn = await self._connected(target, CONNECT_TIMEOUT)
+                    if self._stopping is not None:
+                        # made by an attempt begun before the stop: kept for the last
+                        # FLUSH, but the request waited for a connection, so it fails
+                        raise _Disconnected(self._stopping, definitive=True, known=True)
                 try:
                     result = await self._answered(conn, fn)
                 except NBDError as e:
@@ -352,6 +388,7 @@ class ExportConnections:
                     if not e.known:
                         self._refuse(str(e))
                     raise ExportUnavailable(f"{self.uri}: {e}") from None
+                self._fail_if_stopping(e)
                 now = trio.current_time()
                 if self._down_since is None:
                     self._down_since = now if e.since is None else e.since
@@ -370,12 +407,20 @@ class ExportConnections:
                 changed = self._changed
                 with trio.move_on_after(pause):
                     await changed.wait()  # a definitive answer or stop: fail now
+                self._fail_if_stopping(e)
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             if self._down_since is not None:
                 self._down_since = None
                 log.warning("%s: connected again", self.uri)
             return result
+
+    def _fail_if_stopping(self, lost: _Disconnected) -> None:
+        """Once stopping, a request whose connection was lost (or closed by
+        :meth:`_close_after`) fails instead of going again on another connection: the
+        grace bounds it, and nothing is answered after the last FLUSH was sent."""
+        if self._stopping is not None:
+            raise ExportUnavailable(f"{self.uri}: {self._stopping}: {lost}") from None
 
     async def _answered(self, conn: Connection, fn: Callable[[Connection], Awaitable[T]]) -> T:
         """``fn(conn)``; a server that does not answer within the timeout has lost the
@@ -424,7 +469,8 @@ class ExportConnections:
 
     def stop(self, reason: str = "stopping") -> None:
         """Fail requests waiting for a connection now, and those in flight after
-        :data:`STOP_GRACE` seconds; no new connection is made.  From the trio thread."""
+        :data:`STOP_GRACE` seconds; no new connection is made but one for the last
+        FLUSH (:meth:`flush` from now on).  From the trio thread."""
         if self._stopping is not None:
             return
         self._stopping = reason
@@ -432,10 +478,26 @@ class ExportConnections:
         trio.lowlevel.spawn_system_task(self._close_after, STOP_GRACE)
 
     async def _close_after(self, grace: float) -> None:
+        """Close the connections that still have requests in flight: those requests
+        fail (stopping, a lost connection is not failed over: :meth:`_fail_if_stopping`);
+        the idle connections stay for the last FLUSH.  Once that has begun, every
+        request before it was answered or failed, and it has a bound of its own:
+        nothing is closed."""
         await trio.sleep(grace)
-        if any(s.conn is not None and s.conn.in_flight for s in self._slots):
-            log.warning("%s: requests still in flight after %.0fs: failing them", self.uri, grace)
-        self.close()
+        if self._last_flush:
+            return
+        busy = [s for s in self._slots if s.conn is not None and s.conn.in_flight]
+        if busy:
+            log.warning(
+                "%s: requests still in flight after %.0fs on %d connection(s): failing them",
+                self.uri,
+                grace,
+                len(busy),
+            )
+        for slot in busy:
+            conn, slot.conn = slot.conn, None
+            if conn is not None:
+                conn.close()
 
     def _note(self, slot: _Slot) -> None:
         """What a new connection was told: a new size, multi-conn withdrawn."""
@@ -498,20 +560,48 @@ class ExportConnections:
         await self._run_on(None, lambda c: c.zero(count, offset, flags))
 
     async def flush(self) -> None:
-        """NBD FLUSH: every write completed so far is on stable storage when this returns."""
+        """NBD FLUSH: every write completed so far is on stable storage when this returns.
+        Once stopping, see :meth:`_flush_last`."""
         if not self.can_flush:
             return  # the server has no write cache to flush
+        if self._stopping is not None:
+            await self._flush_last()
+            return
         if self.multi_conn:
             await self._run_on(None, lambda c: c.flush())
             return
         for slot in self._slots:
             await self._run_on(slot, lambda c: c.flush())
 
+    async def _flush_last(self) -> None:
+        """The FLUSH of a process that is stopping, so that what it acknowledged is
+        durable: on a connection that is alive, or else on one made for it (one
+        attempt: a server that is gone is not waited for, its failure is EIO).  The
+        caller bounds it: a server that does not answer is waited for that long."""
+        self._last_flush = True
+        for slot in self._slots if not self.multi_conn else [self._least_busy()]:
+            try:
+                conn = slot.conn
+                if conn is None or not conn.alive:
+                    conn = await self._connected(slot, CONNECT_TIMEOUT, last=True)
+                try:
+                    await self._answered(conn, lambda c: c.flush())
+                except NBDError as e:
+                    if conn.alive and e.errno not in _GONE:
+                        raise  # the server's answer
+                    conn.close()
+                    raise _Disconnected(str(e)) from e
+            except _Disconnected as e:
+                raise ExportUnavailable(f"{self.uri}: the last flush: {e}") from None
+
     async def refresh(self) -> int:
         """Reconnect every connection (servers read the size at connect); the new size.
 
         Requests go on meanwhile: each connection is replaced by a new one,
-        and the old one closed once its requests are answered.
+        and the old one closed once its requests are answered.  A connection
+        that cannot be made again now is retired too (it would keep the old
+        size: requests past it would fail) and tried again in the background
+        (:meth:`_remake`), so the export does not go on with fewer connections.
         """
         for slot in self._slots:
             async with slot.connecting:
@@ -519,11 +609,15 @@ class ExportConnections:
                 try:
                     client = await self._attempt(CONNECT_TIMEOUT)
                 except _Disconnected as e:
-                    log.warning("%s: refresh: %s; the connection is made again later", self.uri, e)
-                    continue
-                slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
-                slot.conn = driven(client)
-                self._note(slot)
+                    # the old connection may have the old size, and others the new one:
+                    # it is retired all the same, and made again in the background
+                    log.warning("%s: refresh: %s; the connection is tried again", self.uri, e)
+                    slot.conn = None
+                    self._remake_later(slot)
+                else:
+                    slot.size, slot.multi_conn = client.get_size(), client.can_multi_conn()
+                    slot.conn = driven(client)
+                    self._note(slot)
             if old is not None:
                 self._retired.add(old)  # still watched: its requests fail over if stalled
                 try:
@@ -534,6 +628,51 @@ class ExportConnections:
         if not any(slot.conn is not None and slot.conn.alive for slot in self._slots):
             await self._run_on(None, lambda c: trio.lowlevel.checkpoint())
         return self.size
+
+    def _remake_later(self, slot: _Slot) -> None:
+        index = self._slots.index(slot)
+        if index not in self._remaking:
+            self._remaking.add(index)
+            trio.lowlevel.spawn_system_task(self._remake, index, name="nbd-remake")
+
+    async def _remake(self, index: int) -> None:
+        """Make slot ``index``'s connection again, with the backoff of a request
+        (:data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`), until it is made (or
+        was, by a request or a refresh), the answer is definitive, the export stops,
+        or the export's timeout (:data:`DEFAULT_IO_TIMEOUT` if none) has passed."""
+        slot = self._slots[index]
+        bound = self.timeout if self.timeout is not None else DEFAULT_IO_TIMEOUT
+        deadline = trio.current_time() + bound
+        delay = RETRY_FIRST
+        try:
+            while True:
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+                if self._closed or self._stopping is not None:
+                    return
+                if slot.conn is not None and slot.conn.alive:
+                    return  # made meanwhile
+                left = deadline - trio.current_time()
+                try:
+                    await self._connected(slot, max(left, 0.0))
+                except _Disconnected as e:
+                    if e.definitive or trio.current_time() >= deadline:
+                        alive = sum(1 for s in self._slots if s.conn is not None and s.conn.alive)
+                        log.warning(
+                            "%s: a connection could not be made again (%s): %d of %d in use",
+                            self.uri,
+                            e,
+                            alive,
+                            len(self._slots),
+                        )
+                        return
+                    continue
+                log.info("%s: connection %d made again", self.uri, index)
+                return
+        except Exception:  # a system task's failure would end the whole run
+            log.exception("%s: making connection %d again failed", self.uri, index)
+        finally:
+            self._remaking.discard(index)
 
     def close(self) -> None:
         """Disconnect every connection (requests still in flight fail)."""

@@ -286,12 +286,12 @@ def _start_mount_process(
         if not mounted_before and is_mounted(mountpoint):  # killed after mounting
             unmount(mountpoint, lazy=True)
 
-    failure = await_ready(
+    answer = await_ready(
         proc, read_end, ready_timeout, unmount_if_mounted, lambda: "it stopped before mounting"
     )
-    if failure is None:
+    if answer.failure is None:
         return proc.pid
-    raise MountError(f"{what}: mount process {failure}")
+    raise MountError(f"{what}: mount process {answer.failure}")
 
 
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:

@@ -4,10 +4,14 @@
 Readiness: the process writes one line, ``ready`` or ``error: <reason>``, to
 a pipe (or stdout) once its mount is in place or has failed; the starter
 reads that line with a deadline (EOF without a line: the process died).
+``ready`` may carry facts the starter needs, ``name=number`` words after it
+(the block file's ``minimum_block_size``, for its loop device).
 Signals: SIGTERM/SIGINT unmount gracefully, a second one (or
 :data:`ABANDON_AFTER` seconds without the requests under way finishing)
-abandons them: a process told to stop ends within seconds, whatever its
-server does.  One that arrives before the FUSE loop runs is remembered.
+abandons them: a process told to stop ends within a bound, whatever its
+server does (the block file's also covers its final flush:
+``fuse.blockfile.stop_bound``).  One that arrives before the FUSE loop runs
+is remembered.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import selectors
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 import pyfuse3
@@ -55,8 +61,10 @@ class ReadySignal:
         if self._fd is not None:
             os.close(self._fd)
 
-    def ready(self) -> None:
-        self._answer(READY)
+    def ready(self, **facts: int) -> None:
+        """Ready; ``facts`` go with it to the starter (:attr:`Answer.facts`)."""
+        words = "".join(f" {name}={value}" for name, value in facts.items())
+        self._answer(READY[:-1] + words.encode() + b"\n")
 
     def failed(self, reason: object) -> None:
         self._answer(f"error: {reason}\n".encode(errors="replace"))
@@ -166,27 +174,60 @@ async def run_fuse_loop(
         nursery.cancel_scope.cancel()  # unmounted from outside: stop watching signals
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What a mount process said: ``failure`` None once it is ready, with the
+    ``facts`` its ready line carried; else why it is not, with its exit code."""
+
+    failure: str | None
+    facts: dict[str, int] = field(default_factory=dict)
+
+
+_FACT: Final = re.compile(rb"([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)")  # ASCII only
+
+
+def _says_ready(line: bytes) -> bool:
+    """Whether ``line`` is a ready line, readable or not."""
+    return line.split()[:1] == [READY.strip()]
+
+
+def _ready_facts(line: bytes) -> dict[str, int] | None:
+    """The facts of a ready line (``ready name=number ...``); None if it is none or
+    cannot be read."""
+    if not line.endswith(b"\n") or not _says_ready(line):
+        return None
+    facts = {}
+    for word in line.split()[1:]:
+        fact = _FACT.fullmatch(word)
+        if fact is None:
+            return None
+        facts[fact[1].decode()] = int(fact[2])
+    return facts
+
+
 def await_ready(
     proc: subprocess.Popen[bytes],
     read_end: int,
     timeout: float,
     after_failure: Callable[[], None],
     silent: Callable[[], str],
-) -> str | None:
-    """The starter's side: None once ``proc`` said ``ready`` on ``read_end``.
+) -> Answer:
+    """The starter's side: no failure once ``proc`` said ``ready`` on ``read_end``.
 
-    Otherwise the process is reaped (terminated first if it did not answer:
-    one that answered with an error is exiting by itself), ``after_failure``
-    cleans up what it may have left (a mount), and the reason is returned
-    with its exit code: its error line, ``silent()`` if it exited without
-    one, or that it did not answer in time.
+    Otherwise the process is reaped (terminated first if it did not answer, or
+    said ready in a line that cannot be read: it is serving its mount; one that
+    answered with an error is exiting by itself), ``after_failure``
+    cleans up what it may have left (a mount), and the reason is the
+    failure, with its exit code: its error line, ``silent()`` if it exited
+    without one, or that it did not answer in time.
     """
     with os.fdopen(read_end, "rb") as pipe:
-        # one line: "ready" or "error: <reason>"; EOF means it died
+        # one line: "ready [facts]" or "error: <reason>"; EOF means it died
         answer = read_line(pipe.fileno(), timeout)
-    if answer == READY:
-        return None
-    if answer is None:
+    facts = _ready_facts(answer) if answer is not None else None
+    if facts is not None:
+        return Answer(None, facts)
+    if answer is None or _says_ready(answer):
         proc.terminate()
     try:
         code = proc.wait(timeout=10)
@@ -198,7 +239,7 @@ def await_ready(
         reason = f"no answer in {timeout}s"
     else:
         reason = answer.decode(errors="replace").strip() or silent()
-    return f"exited {code}: {reason}"
+    return Answer(f"exited {code}: {reason}")
 
 
 FUSECTL: Final = "/sys/fs/fuse/connections"

@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from fuse.blockdev import attach_fuse_block, detach_fuse_block, refresh_size
+from fuse.blockfile import stop_bound
 from fuse.loop import loop_status
 from fuse.nbdconnections import watch_period
 from hostio.mountinfo import read_mountinfo, topmost
@@ -44,11 +45,12 @@ from tests.conftest import (
     NBDServerFactory,
     NBDServerProcess,
     free_port,
+    run,
     sparse_image,
     stop_process,
     wait_for_port,
 )
-from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, reads_again
+from tests.fuse_block_stack import IMAGE_SIZE, BlockStack, MiB, mkfs, reads_again
 
 TIMEOUT = 2.0  # the I/O timeout of the stalled-server test
 PROMPTLY = 60.0  # far above TIMEOUT + the watchdog period + a reconnect attempt
@@ -372,15 +374,18 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _nbdkit(tmp_path: Path, *filters: str) -> Iterator[tuple[str, Path]]:
+def _nbdkit(tmp_path: Path, *filters: str, log_first: bool = False) -> Iterator[tuple[str, Path]]:
     """nbdkit serving a sparse image with its log filter (every command, one line at
-    its start): (the URI, the log).  ``filters``: more ``--filter=`` arguments first."""
+    its start): (the URI, the log).  ``filters``: more ``--filter=`` arguments, before
+    the log filter (closer to the client: the log sees what they let through), or
+    after it with ``log_first`` (the log sees a command as it arrives)."""
     image = sparse_image(tmp_path / "nbdkit.img", IMAGE_SIZE)
     log = tmp_path / "nbdkit-commands.log"
     port = free_port()
     argv = ["nbdkit", "--foreground", "--exit-with-parent", "-i", "127.0.0.1", "-p", str(port)]
-    argv += [f"--filter={f}" for f in filters]
-    argv += ["--filter=log", "file", str(image), f"logfile={log}", *_FILTER_ARGS[filters]]
+    stack = [*filters, "log"] if not log_first else ["log", *filters]
+    argv += [f"--filter={f}" for f in stack]
+    argv += ["file", str(image), f"logfile={log}", *_FILTER_ARGS[filters]]
     with (tmp_path / "nbdkit.out").open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out)
     try:
@@ -394,6 +399,8 @@ _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
     (): [],
     ("multi-conn",): ["multi-conn-mode=disable"],
     # 4 KiB minimum, 64 KiB maximum, anything else refused with EINVAL
+    # writes answered 5 s late: one is still in flight after a stop's 3 s of grace
+    ("delay",): ["delay-write=5"],
     ("blocksize-policy",): [
         "blocksize-minimum=4096",
         "blocksize-maximum=65536",
@@ -405,6 +412,21 @@ _FILTER_ARGS: dict[tuple[str, ...], list[str]] = {
 def _flushes(log: Path) -> int:
     """FLUSH commands the server received (its log has a line as each one starts)."""
     return sum(1 for line in log.read_text().splitlines() if " Flush id=" in line)
+
+
+def _received(log: Path, command: str, offset: int) -> int:
+    """How many times the server has logged ``command`` at ``offset``."""
+    line = re.compile(rf" {command} id=\d+ offset={offset:#x} ")
+    return len(line.findall(log.read_text() if log.exists() else ""))
+
+
+def _arrived(log: Path, command: str, offset: int, within: float = PROMPTLY) -> None:
+    """Until the server has logged ``command`` at ``offset`` (as it arrives, with the
+    log filter first)."""
+    deadline = time.monotonic() + within
+    while not _received(log, command, offset):
+        assert time.monotonic() < deadline, f"no {command} at {offset:#x} within {within}s"
+        time.sleep(0.02)
 
 
 def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
@@ -450,6 +472,55 @@ def test_with_workers_every_fsync_reaches_the_server_as_a_flush(
         stack.detach(attachment)
         last = _flushes(log)
         assert last > before + flushed  # the final flush at unmount (and close's FLUSH)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopped_process_flushes_what_it_acknowledged(
+    stack: BlockStack, tmp_path: Path, workers: int
+) -> None:
+    """A raw loop device sends no FLUSH when it is let go: the FUSE process's final
+    flush is what makes its acknowledged writes durable.  It is told to stop while a
+    write the server answers late is in flight (nbdkit logged it on arrival); that
+    write fails after the stop's grace (not sent again on another connection), and
+    the final FLUSH still reaches the server and is answered, with workers too (where
+    the mounting process flushes only once they have ended)."""
+    with _nbdkit(tmp_path, "delay", log_first=True) as (uri, log):
+        attachment = stack.attach(uri, workers=workers)
+        _processes(attachment.pid, workers)
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        outcome: list[BaseException | int] = []
+
+        def write_late() -> None:
+            try:
+                with aligned(os.urandom(4096)) as buf:
+                    outcome.append(os.pwritev(fd, [buf], 4 * MiB))
+            except OSError as e:
+                outcome.append(e)
+
+        late = threading.Thread(target=write_late, daemon=True)
+        try:
+            with aligned(os.urandom(65536)) as buf:
+                assert os.pwritev(fd, [buf], 0) == 65536  # acknowledged
+            before = _flushes(log)
+            late.start()
+            _arrived(log, "Write", 4 * MiB)  # in flight at the server (answered 5 s late)
+            assert late.is_alive()
+            os.kill(attachment.pid, signal.SIGTERM)
+            started = time.monotonic()
+            bound = stop_bound(workers)
+            while _alive(attachment.pid) and time.monotonic() - started < bound:
+                time.sleep(0.05)
+            assert not _alive(attachment.pid), f"still running {bound:.0f} s after SIGTERM"
+            late.join(PROMPTLY)
+            assert not late.is_alive() and isinstance(outcome[0], OSError), outcome
+        finally:
+            os.close(fd)
+        text = Path(attachment.log_file).read_text(errors="replace")
+        assert "the last flush" not in text, text  # neither failed nor unanswered
+        assert _flushes(log) > before
+        # failed once the grace closed its connection, not sent again on another one
+        assert _received(log, "Write", 4 * MiB) == 1
+        stack.detach(attachment)
 
 
 def test_without_multi_conn_one_process_serves(stack: BlockStack, tmp_path: Path) -> None:
@@ -500,4 +571,41 @@ def test_a_servers_maximum_block_size_is_honoured(stack: BlockStack, tmp_path: P
             )
         ]
         assert sizes and max(sizes) == 65536, sorted(set(sizes))
+        stack.detach(attachment)
+
+
+def test_a_servers_minimum_block_size_is_the_loop_devices(
+    stack: BlockStack, tmp_path: Path
+) -> None:
+    """nbdkit refusing anything not aligned to 4 KiB (EINVAL): the loop device has
+    4 KiB logical blocks, as a kernel nbd device would, so a 512-byte direct write is
+    refused at the device, and mkfs.ext4 on it makes a filesystem whose data comes
+    back from the server whole (before, the device had 512-byte sectors: such I/O
+    reached the server and failed with EIO)."""
+    with _nbdkit(tmp_path, "blocksize-policy") as (uri, _):
+        attachment = stack.attach(uri)
+        name = os.path.basename(attachment.device)
+        queue = Path(f"/sys/block/{name}/queue")
+        assert (queue / "logical_block_size").read_text().strip() == "4096"
+        fd = os.open(attachment.device, os.O_RDWR | os.O_DIRECT)
+        try:
+            with aligned(bytes(4096)) as buf, pytest.raises(OSError) as refused:
+                os.pwritev(fd, [memoryview(buf)[:512]], 0)
+            assert refused.value.errno == errno.EINVAL
+        finally:
+            os.close(fd)
+        mkfs("ext4", attachment.device)
+        target = stack.mount(attachment.device, "ext4")
+        data = os.urandom(3 * MiB + 512)
+        with (target / "file.bin").open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        stack.umount(target)
+        stack.detach(attachment)
+        attachment = stack.attach(uri)  # what is read now comes from the server
+        run(["e2fsck", "-f", "-n", attachment.device])
+        target = stack.mount(attachment.device, "ext4")
+        assert (target / "file.bin").read_bytes() == data
+        stack.umount(target)
         stack.detach(attachment)

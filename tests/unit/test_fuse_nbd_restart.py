@@ -12,9 +12,11 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -22,7 +24,7 @@ import trio
 from fuse import nbdconnections
 from fuse.nbdconnections import DEFINITIVE, ExportConnections, ExportUnavailable
 from nbd.exports import Export, ExportTable
-from nbd.libnbd import NBDError
+from nbd.libnbd import NBDClient, NBDError
 from nbd.server import NBDServer, ServerConfig, open_unix_listener
 
 SIZE = 1 << 20
@@ -57,6 +59,61 @@ def test_a_missing_socket_file_is_nobody_listening(tmp_path: Path, client: str) 
     with pytest.raises(NBDError) as e:
         nbdconnections.connect(uri, client)
     assert e.value.errno == errno.ECONNREFUSED and e.value.errno not in DEFINITIVE
+
+
+def test_a_socket_bound_just_after_libnbd_failed_to_connect_is_still_nobody_listening(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarting server binds its socket again right after libnbd's connect(2) found
+    none: that is still nobody listening (waited for), not "no such export"."""
+    sock = tmp_path / "nbd.sock"
+    bound: list[socket.socket] = []
+    real_open = NBDClient.open
+
+    def open_then_the_server_binds(uri: str, **kwargs: Any) -> Any:
+        try:
+            return real_open(uri, **kwargs)
+        except NBDError:
+            listener = socket.socket(socket.AF_UNIX)
+            bound.append(listener)
+            listener.bind(str(sock))
+            listener.listen(1)
+            raise
+
+    monkeypatch.setattr(NBDClient, "open", open_then_the_server_binds)
+    try:
+        with pytest.raises(NBDError) as e:
+            nbdconnections.connect(f"nbd+unix:///disk?socket={sock}", "libnbd")
+        assert bound and sock.exists()
+        assert e.value.errno == errno.ECONNREFUSED, e.value
+    finally:
+        for listener in bound:
+            listener.close()
+
+
+async def test_an_unknown_export_is_definitive_even_if_the_socket_goes_at_once(
+    image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server answered "no such export" and then went down (its socket file gone)
+    before the answer was looked at: the answer is what counts."""
+    sock = tmp_path / "nbd.sock"
+    real_open = NBDClient.open
+
+    def open_then_the_socket_goes(uri: str, **kwargs: Any) -> Any:
+        try:
+            return real_open(uri, **kwargs)
+        except NBDError:
+            sock.unlink()
+            raise
+
+    monkeypatch.setattr(NBDClient, "open", open_then_the_socket_goes)
+    async with serving(image, sock):
+        with pytest.raises(NBDError) as e:
+            await trio.to_thread.run_sync(
+                nbdconnections.connect, f"nbd+unix:///nothing?socket={sock}", "libnbd"
+            )
+        assert not sock.exists()
+    assert e.value.errno in DEFINITIVE, e.value
 
 
 async def test_an_unknown_export_is_definitive(image: Path, tmp_path: Path) -> None:
