@@ -8,8 +8,8 @@ records) plus what the block path can still attach.  Per path:
   ``pid`` file (no connection) and a size of 0.  A device that is busy but not
   ours (``nbd-client``, qemu-nbd, another driver) is not counted at all; ours are
   already in ``ours``.  The pool is the devices the module made (``nbds_max``);
-  when it made none (``nbds_max=0``: netlink adds a device per connect) the pool
-  is the module's default of 16, less the devices busy now.
+  with ``nbds_max=0`` netlink adds a device per connect, so the pool is taken
+  as the module's default of 16 devices (or as many as exist, when more do).
 - **fuse-loop**: each attachment is a FUSE process of its own, budgeted at
   ``attachment_bytes`` (64 MiB by default, ``node.fuse_attachment_mib``): what
   the host can still give is ``MemAvailable`` (``MemFree`` on a kernel without
@@ -113,9 +113,10 @@ def volume_limit(
         devices = nbd_devices()
         free = devices.free
         reason = f"{free} free nbd device(s), {devices.busy} busy"
-        if devices.free + devices.busy == 0 and _nbds_max() == 0:
-            free = NBDS_MAX_DEFAULT
-            reason = f"nbds_max=0 (devices made on connect): {free} assumed"
+        present = devices.free + devices.busy
+        if _nbds_max() == 0 and present < NBDS_MAX_DEFAULT:
+            free += NBDS_MAX_DEFAULT - present
+            reason += f"; nbds_max=0 (devices made on connect): a pool of {NBDS_MAX_DEFAULT}"
         count = ours + free
     elif plan.block == "fuse-loop":
         memory = available_memory()

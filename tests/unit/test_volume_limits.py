@@ -86,11 +86,19 @@ def test_a_device_with_a_size_but_no_connection_yet_is_not_free(sys_block: Path)
     assert attach.volume_limit(KERNEL, ours=0).free == 1
 
 
-def test_no_device_at_all_with_nbds_max_0_assumes_the_module_default(sys_block: Path) -> None:
+def test_with_nbds_max_0_the_pool_is_the_module_default(sys_block: Path) -> None:
+    """Netlink makes a device per connect: the devices made so far are part of a
+    pool of 16, so the count does not fall when the first ones appear."""
     limits.NBDS_MAX.write_text("0\n")
-    limit = attach.volume_limit(KERNEL, ours=2)
-    assert limit.count == 2 + limits.NBDS_MAX_DEFAULT
-    assert "nbds_max=0" in limit.reason
+    empty = attach.volume_limit(KERNEL, ours=0)
+    nbd(sys_block, 0, pid=10, size=8)  # ours, made on connect
+    nbd(sys_block, 1)  # made earlier, free again
+    one_held = attach.volume_limit(KERNEL, ours=1)
+    assert (empty.count, one_held.count) == (16, 16)
+    assert "nbds_max=0" in one_held.reason
+    for i in range(2, 20):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=1).count == 1 + 19  # more than 16 exist
 
 
 def test_with_nothing_free_the_count_is_what_the_node_holds_and_never_0(sys_block: Path) -> None:
