@@ -1,9 +1,10 @@
 """What NodeGetInfo's count costs (``csi.attach.limits``), since kubelet asks for it
 every ``nodeAllocatableUpdatePeriodSeconds`` (10 s at the least).
 
-Run with ``make bench PYTEST_ARGS=tests/bench/test_volume_limit_bench.py`` (or
-``make bench``).  ``NodeService.volume_limit()`` in-process over a state directory
-of N records, on both block paths, against this host's real ``/sys/block`` and
+Run with ``make bench``, or alone: ``.venv/bin/python -m pytest -q -p no:randomly
+tests/bench/test_volume_limit_bench.py -o addopts="" -s``.
+``NodeService.volume_limit()`` in-process over a state directory of N records,
+on both block paths, against this host's real ``/sys/block`` and
 ``/proc/meminfo``; the mean of 200 calls is printed.  Nothing is asserted about speed.
 """
 
