@@ -18,6 +18,7 @@ The file is TOML (Python's own ``tomllib`` reads it; no extra dependency)::
     [node]
     address = "10.0.0.21"                   # the IP storage nodes see this node as
     io_timeout = 120                        # seconds I/O waits for a lost storage node
+    fuse_attachment_mib = 64                # memory budgeted per FUSE attachment
     [node.topology]
     "topology.csi.moorage.dev/zone" = "a"
 
@@ -70,6 +71,10 @@ class StorageNodeConfig:
 # StorageClass's ioTimeout overrides it), and the most it may be.
 DEFAULT_IO_TIMEOUT = 120.0
 MAX_IO_TIMEOUT = 86400.0
+# Memory budgeted for each FUSE attachment (a process each): NodeGetInfo's
+# count on the FUSE path is what the host has available divided by it.
+DEFAULT_FUSE_ATTACHMENT_MIB = 64
+MAX_FUSE_ATTACHMENT_MIB = 1 << 20  # 1 TiB
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class NodeConfig:
     address: str | None = None
     io_timeout: float = DEFAULT_IO_TIMEOUT
     topology: Mapping[str, str] = field(default_factory=dict)
+    fuse_attachment_mib: int = DEFAULT_FUSE_ATTACHMENT_MIB
 
 
 @dataclass(frozen=True)
@@ -203,12 +209,18 @@ def _node(table: object) -> NodeConfig:
     io_timeout = _take(t, "io_timeout", float, where)
     if io_timeout is not None and not 1 <= io_timeout <= MAX_IO_TIMEOUT:
         raise ConfigError(f"{where}: io_timeout must be between 1 and {MAX_IO_TIMEOUT:.0f} seconds")
+    fuse_mib = _take(t, "fuse_attachment_mib", int, where)
+    if fuse_mib is not None and not 1 <= fuse_mib <= MAX_FUSE_ATTACHMENT_MIB:
+        raise ConfigError(
+            f"{where}: fuse_attachment_mib must be between 1 and {MAX_FUSE_ATTACHMENT_MIB} (MiB)"
+        )
     topology = _topology(t.pop("topology", {}), f"{where} topology")
-    _no_more(t, where, "address, io_timeout, topology")
+    _no_more(t, where, "address, io_timeout, fuse_attachment_mib, topology")
     return NodeConfig(
         address=address,
         io_timeout=DEFAULT_IO_TIMEOUT if io_timeout is None else io_timeout,
         topology=topology,
+        fuse_attachment_mib=DEFAULT_FUSE_ATTACHMENT_MIB if fuse_mib is None else fuse_mib,
     )
 
 

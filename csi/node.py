@@ -97,6 +97,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.name = name
         self.topology = {**config.topology, NODE_TOPOLOGY_KEY: name}
         self.io_timeout = config.io_timeout  # a StorageClass's ioTimeout overrides it
+        self.fuse_attachment_bytes = config.fuse_attachment_mib << 20
         self.paths = KubeletPaths(kubelet_dir)  # ValueError for a relative one
         self.state = NodeState(state_dir)
         self._plan = plan
@@ -154,9 +155,18 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodeGetInfoResponse:
         return pb.NodeGetInfoResponse(
             node_id=self.node_id,
-            max_volumes_per_node=attach.max_volumes(self.plan),
+            max_volumes_per_node=self.volume_limit().count,
             accessible_topology=pb.Topology(segments=self.topology),
         )
+
+    def volume_limit(self) -> attach.VolumeLimit:
+        """What this node holds and can still attach (``csi.attach.limits``).  Held:
+        every recorded volume but inline ephemeral ones, which the scheduler does
+        not count (their devices or memory are in use, so not free either)."""
+        ours = sum(1 for r in self.state.scan()[0] if not r.ephemeral)
+        limit = attach.volume_limit(self.plan, ours, self.fuse_attachment_bytes)
+        log.debug("max_volumes_per_node %d: %d held, %s", limit.count, ours, limit.reason)
+        return limit
 
     def NodeGetCapabilities(
         self, request: pb.NodeGetCapabilitiesRequest, context: grpc.ServicerContext

@@ -67,11 +67,12 @@ class Site:
 
 
 @contextlib.contextmanager
-def open_site(root: Path) -> Iterator[Site]:
-    """The storage node and the plugin under ``root``; nothing left mounted after."""
+def open_site(root: Path, node_config: str = "") -> Iterator[Site]:
+    """The storage node and the plugin under ``root``; nothing left mounted after.
+    ``node_config``: TOML appended to the plugin's configuration (its ``[node]`` table)."""
     with contextlib.ExitStack() as stack:
         node = stack.enter_context(storage_node(root / "sn"))
-        config = write_config(root / "csi.toml", [plugin_entry(node, "sn-a")])
+        config = write_config(root / "csi.toml", [plugin_entry(node, "sn-a")], node_config)
         state_dir = root / "state"
         plugin = CsiPlugin(
             root,

@@ -24,6 +24,7 @@ from csi.attach.block import (
     refresh_block,
 )
 from csi.attach.errors import AttachError, PathUnavailable
+from csi.attach.limits import VolumeLimit, volume_limit
 from csi.attach.nfs import (
     NFS_PORT,
     mount_nfs_export,
@@ -32,7 +33,6 @@ from csi.attach.nfs import (
 )
 from csi.attach.paths import (
     Plan,
-    max_volumes,
     probe,
 )
 from csi.attach.reconnect import Reconnector
@@ -44,15 +44,16 @@ __all__ = [
     "PathUnavailable",
     "Plan",
     "Reconnector",
+    "VolumeLimit",
     "attach_block",
     "block_attachment_problem",
     "detach_block",
     "list_block_attachments",
-    "max_volumes",
     "mount_nfs_export",
     "probe",
     "reconcile_block_attachments",
     "refresh_block",
     "unmount_nfs",
     "validate_export",
+    "volume_limit",
 ]

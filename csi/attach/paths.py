@@ -16,7 +16,6 @@ Either may be forced by configuration: a mapping with ``block_path`` /
 ``nfs_path``, or (when none is given) the environment variables
 ``MOORAGE_BLOCK_PATH`` / ``MOORAGE_NFS_PATH``; ``auto`` or empty means probe.
 Forcing a path this host cannot use is an error saying why.
-:func:`max_volumes` says how many volumes a plan's block path can attach.
 """
 
 from __future__ import annotations
@@ -193,29 +192,6 @@ def probe(config: Mapping[str, str] | None = None) -> Plan:
         nfs=_as_nfs_path(nfs),
         nfs_reason=nfs_reason,
     )
-
-
-# Each FUSE-attached volume is a process of its own; budget its memory.
-FUSE_ATTACHMENT_BYTES: Final = 64 << 20
-MAX_FUSE_ATTACHMENTS: Final = 1024
-NBDS_MAX = Path("/sys/module/nbd/parameters/nbds_max")
-MEMINFO = Path("/proc/meminfo")
-
-
-def max_volumes(plan: Plan) -> int:
-    """How many volumes this host can attach: the nbd module's device count on
-    the kernel path; on the FUSE path, what memory allows one process each."""
-    if plan.block == "kernel-nbd":
-        try:
-            return int(NBDS_MAX.read_text())
-        except (OSError, ValueError):
-            return 16  # the module's default
-    try:
-        meminfo = MEMINFO.read_text().split()
-        total = int(meminfo[meminfo.index("MemTotal:") + 1]) * 1024
-    except (OSError, ValueError):
-        return 0
-    return max(1, min(MAX_FUSE_ATTACHMENTS, total // FUSE_ATTACHMENT_BYTES))
 
 
 def _as_block_path(name: str | None) -> BlockPath | None:

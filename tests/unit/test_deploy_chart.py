@@ -164,7 +164,35 @@ def test_the_csidriver_is_the_one_the_plugin_serves(default: list[dict[str, Any]
         "fsGroupPolicy": "File",
         "storageCapacity": True,
         "requiresRepublish": False,
+        # kubelet calls NodeGetInfo this often for CSINode's count (MutableCSINodeAllocatableCount)
+        "nodeAllocatableUpdatePeriodSeconds": 60,
     }
+
+
+@pytest.mark.parametrize("period", [10, 300, 0, None])
+def test_the_allocatable_update_period_comes_from_the_values(
+    period: int | None, tmp_path: Path
+) -> None:
+    """0 or null: no field, so kubelet reads the count once, at registration."""
+    values = {"csiDriver": {"nodeAllocatableUpdatePeriodSeconds": period}}
+    spec = find(objects(render(values, tmp_path)), "CSIDriver")["spec"]
+    assert spec.get("nodeAllocatableUpdatePeriodSeconds") == (period or None)
+
+
+@pytest.mark.parametrize("period", [9, -60, 12.5, "60", True])
+def test_an_allocatable_update_period_kubernetes_refuses_fails_the_render(
+    period: object, tmp_path: Path
+) -> None:
+    """The API server's own rule (at least 10 s, a whole number) checked at render time."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"csiDriver": {"nodeAllocatableUpdatePeriodSeconds": period}}))
+    result = subprocess.run(
+        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
+         "--values", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "nodeAllocatableUpdatePeriodSeconds must be a whole number of seconds" in result.stderr
 
 
 def test_fs_types_come_from_the_classes_not_a_provisioner_default(
@@ -461,6 +489,18 @@ def test_the_io_timeout_reaches_the_plugins_configuration(
     config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
     config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
     assert config.node.io_timeout == (120 if io_timeout is None else io_timeout)
+
+
+@pytest.mark.parametrize("mib", [None, 256])
+def test_the_fuse_attachment_budget_reaches_the_plugins_configuration(
+    mib: int | None, tmp_path: Path
+) -> None:
+    from csi.config import parse_config
+
+    values = None if mib is None else {"node": {"fuseAttachmentMiB": mib}}
+    config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
+    config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
+    assert config.node.fuse_attachment_mib == (64 if mib is None else mib)
 
 
 def test_the_nfs_class_leaves_the_bound_to_the_node(default: list[dict[str, Any]]) -> None:

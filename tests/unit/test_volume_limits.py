@@ -1,0 +1,198 @@
+"""NodeGetInfo's ``max_volumes_per_node`` (``csi.attach.limits``): the counting
+rules over a faked /sys/block, nbds_max and /proc/meminfo, and what the node
+service counts as its own from its records.  The count over the plugin's socket,
+with real attachments, is tests/integration/test_csi_volume_limits.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from csi import attach
+from csi.attach import limits
+from csi.config import ConfigError, NodeConfig, parse_config
+from csi.node import NodeService
+from csi.nodestate import NodeState, StagedVolume
+from nbd import kernel as nbd_kernel
+
+KERNEL = attach.Plan("kernel-nbd", "faked", "kernel-nfs", "faked")
+FUSE = attach.Plan("fuse-loop", "faked", "fuse-nfs", "faked")
+NONE = attach.Plan(None, "faked", None, "faked")
+MIB = 1 << 20
+
+
+@pytest.fixture
+def sys_block(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    root = tmp_path / "sys-block"
+    root.mkdir()
+    monkeypatch.setattr(nbd_kernel, "SYS_BLOCK", root)
+    nbds_max = tmp_path / "nbds_max"
+    monkeypatch.setattr(limits, "NBDS_MAX", nbds_max)
+    return root
+
+
+def nbd(sys_block: Path, index: int, *, pid: int | None = None, size: int = 0) -> None:
+    """An nbd device as sysfs shows it: ``pid`` only while connected; size in sectors."""
+    device = sys_block / f"nbd{index}"
+    device.mkdir()
+    (device / "size").write_text(f"{size}\n")
+    if pid is not None:
+        (device / "pid").write_text(f"{pid}\n")
+
+
+@pytest.fixture
+def meminfo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    path = tmp_path / "meminfo"
+    monkeypatch.setattr(limits, "MEMINFO", path)
+    return path
+
+
+def write_meminfo(path: Path, *, total_mib: int, available_mib: int | None, free_mib: int) -> None:
+    lines = [f"MemTotal:       {total_mib * 1024} kB", f"MemFree:        {free_mib * 1024} kB"]
+    if available_mib is not None:
+        lines.append(f"MemAvailable:   {available_mib * 1024} kB")
+    lines.append("Buffers:          1024 kB")
+    path.write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------ kernel nbd
+
+
+def test_kernel_count_is_ours_plus_the_devices_nobody_uses(sys_block: Path) -> None:
+    for i in range(8):
+        nbd(sys_block, i)
+    nbd(sys_block, 8, pid=4242, size=2048)  # ours (in the records) or anyone's: busy
+    nbd(sys_block, 9, pid=4243, size=2048)
+    (sys_block / "loop0").mkdir()  # not an nbd device
+    limit = attach.volume_limit(KERNEL, ours=1)
+    assert (limit.count, limit.free) == (9, 8)
+    assert "8 free nbd device(s), 2 busy" in limit.reason
+
+
+def test_a_device_taken_by_someone_else_lowers_the_count(sys_block: Path) -> None:
+    for i in range(4):
+        nbd(sys_block, i)
+    before = attach.volume_limit(KERNEL, ours=0).count
+    (sys_block / "nbd2" / "pid").write_text("777\n")  # nbd-client, not the plugin
+    assert (before, attach.volume_limit(KERNEL, ours=0).count) == (4, 3)
+
+
+def test_a_device_with_a_size_but_no_connection_yet_is_not_free(sys_block: Path) -> None:
+    """The ioctl path sets the size before the connection's pid appears."""
+    nbd(sys_block, 0)
+    nbd(sys_block, 1, size=2048)
+    (sys_block / "nbd2").mkdir()  # size unreadable: never offered
+    assert attach.volume_limit(KERNEL, ours=0).free == 1
+
+
+def test_with_nbds_max_0_the_pool_is_the_module_default(sys_block: Path) -> None:
+    """Netlink makes a device per connect: the devices made so far are part of a
+    pool of 16, so the count does not fall when the first ones appear."""
+    limits.NBDS_MAX.write_text("0\n")
+    empty = attach.volume_limit(KERNEL, ours=0)
+    nbd(sys_block, 0, pid=10, size=8)  # ours, made on connect
+    nbd(sys_block, 1)  # made earlier, free again
+    one_held = attach.volume_limit(KERNEL, ours=1)
+    assert (empty.count, one_held.count) == (16, 16)
+    assert "nbds_max=0" in one_held.reason
+    for i in range(2, 20):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=1).count == 1 + 19  # more than 16 exist
+
+
+def test_with_nothing_free_the_count_is_what_the_node_holds_and_never_0(sys_block: Path) -> None:
+    """0 would tell kubelet "no limit": the floor is 1."""
+    limits.NBDS_MAX.write_text("2\n")
+    nbd(sys_block, 0, pid=1, size=8)
+    nbd(sys_block, 1, pid=2, size=8)
+    assert attach.volume_limit(KERNEL, ours=2).count == 2
+    assert attach.volume_limit(KERNEL, ours=0).count == 1
+
+
+# ------------------------------------------------------------------ FUSE path
+
+
+def test_fuse_count_is_ours_plus_what_memory_available_allows(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=1000, free_mib=200)
+    limit = attach.volume_limit(FUSE, ours=3, attachment_bytes=64 * MIB)
+    assert (limit.count, limit.free) == (3 + 1000 // 64, 1000 // 64)
+    assert "1000 MiB available, 64 MiB per attachment" in limit.reason
+
+
+def test_fuse_count_follows_memory_available_not_the_total(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=4096, free_mib=100)
+    roomy = attach.volume_limit(FUSE, ours=0).count
+    write_meminfo(meminfo, total_mib=8192, available_mib=256, free_mib=100)
+    tight = attach.volume_limit(FUSE, ours=0).count
+    assert (roomy, tight) == (64, 4)
+
+
+def test_the_budget_per_attachment_divides_memory(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=1024, free_mib=100)
+    assert attach.volume_limit(FUSE, ours=0, attachment_bytes=256 * MIB).count == 4
+    assert attach.volume_limit(FUSE, ours=0, attachment_bytes=1 << 40).count == 1  # the floor
+
+
+def test_memfree_stands_in_where_the_kernel_has_no_memavailable(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=None, free_mib=640)
+    assert attach.volume_limit(FUSE, ours=0).free == 10
+
+
+def test_fuse_count_is_bounded(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=1 << 20, available_mib=1 << 20, free_mib=1 << 20)
+    assert attach.volume_limit(FUSE, ours=5).count == limits.MAX_FUSE_ATTACHMENTS
+
+
+def test_unreadable_meminfo_leaves_only_what_the_node_holds(meminfo: Path) -> None:
+    limit = attach.volume_limit(FUSE, ours=3)  # the file does not exist
+    assert (limit.count, limit.free) == (3, 0)
+    assert "unreadable" in limit.reason
+
+
+def test_no_block_path_counts_only_what_the_node_holds() -> None:
+    assert attach.volume_limit(NONE, ours=0).count == 1
+    assert attach.volume_limit(NONE, ours=4).count == 4
+
+
+# ---------------------------------------------------- the node service's part
+
+
+def record(volume_id: str, *, kind: str = "nbd", ephemeral: bool = False) -> StagedVolume:
+    return StagedVolume(
+        volume_id=volume_id,
+        staging_path=f"/var/lib/kubelet/x/{volume_id}",
+        kind=kind,
+        access="mount",
+        ephemeral=ephemeral,
+    )
+
+
+def test_the_node_counts_its_records_but_not_inline_ephemeral_volumes(
+    sys_block: Path, tmp_path: Path
+) -> None:
+    """The scheduler counts PVC-backed volumes only; an inline ephemeral volume's
+    device is busy, so it is not free either."""
+    for i in range(4):
+        nbd(sys_block, i)
+    state = NodeState(tmp_path / "state")
+    state.create()
+    for r in (record("sn-a/v1"), record("sn-a/v2", kind="nfs"), record("e1", ephemeral=True)):
+        state.put(r)
+    (state.volumes / "damaged.json").write_text("{")  # unreadable: not counted
+    node = NodeService("node-a", "127.0.0.1", NodeConfig(), tmp_path / "state", plan=KERNEL)
+    limit = node.volume_limit()
+    assert (limit.ours, limit.count) == (2, 6)
+
+
+def test_the_configured_budget_reaches_the_count(meminfo: Path, tmp_path: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=1024, free_mib=100)
+    config = parse_config({"node": {"fuse_attachment_mib": 128}}).node
+    node = NodeService("node-a", "127.0.0.1", config, tmp_path / "state", plan=FUSE)
+    assert node.volume_limit().count == 8
+
+
+@pytest.mark.parametrize("value", [0, -1, (1 << 20) + 1, 1.5, True, "64"])
+def test_a_bad_budget_is_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match="fuse_attachment_mib"):
+        parse_config({"node": {"fuse_attachment_mib": value}})
