@@ -191,11 +191,19 @@ class GroupSnapshots:
             return
         hold_id = uuid.uuid4().hex
         images = [self.ctx.pool.image_path(v) for v in vol_ids]
+        started = time.monotonic()
         self.ctx.exporter.hold_nbd_io(hold_id, images, HOLD_LEASE, HOLD_TIMEOUT)
+        reached = time.monotonic()
         try:
             yield
         finally:
             self.ctx.exporter.release_nbd_io(hold_id)
+            log.info(
+                "NBD I/O of %d volumes held %.1f ms (reached in %.1f ms)",
+                len(vol_ids),
+                (time.monotonic() - started) * 1000,
+                (reached - started) * 1000,
+            )
 
     def _remove(
         self,

@@ -11,13 +11,15 @@ socket.
 
 Printed: the CreateVolumeGroupSnapshot call's p50/p99/max, the writers'
 write latency p50/p99 outside and the longest single write (the hold is
-in it), and writes per second with and without snapshots going on.
+in it), writes per second with and without snapshots going on, and how
+long the writes were held (the storage node logs it for each group).
 Nothing is asserted about speed.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 import uuid
@@ -42,6 +44,7 @@ WRITTEN = 64 * MiB
 GROUPS = 20
 QUIET = 3.0  # seconds of writing without snapshots, before and after
 NODE = "node-a@127.0.0.1"
+HELD = re.compile(r"NBD I/O of \d+ volumes held ([0-9.]+) ms")
 CAP = pb.VolumeCapability(
     block=pb.VolumeCapability.BlockVolume(),
     access_mode=pb.VolumeCapability.AccessMode(
@@ -93,7 +96,7 @@ class Writer(threading.Thread):
 
 
 def test_group_snapshot_cost_to_writers(stack: tuple[BackendNode, grpc.Channel]) -> None:
-    _, channel = stack
+    node, channel = stack
     controller = pb_grpc.ControllerStub(channel)  # type: ignore[no-untyped-call]
     groups = pb_grpc.GroupControllerStub(channel)  # type: ignore[no-untyped-call]
     vols, uris = [], []
@@ -162,6 +165,11 @@ def test_group_snapshot_cost_to_writers(stack: tuple[BackendNode, grpc.Channel])
         f"p99 {percentile(during, 99) * ms:.2f} ms, longest {max(during) * ms:.1f} ms\n"
         f"  writes/s without snapshots {len(outside) / outside_span:.0f}, "
         f"while snapshots are taken {len(during) / (t_end - t_start):.0f}"
+    )
+    held = [float(m) for m in HELD.findall(node.log.read_text(errors="replace"))][-GROUPS:]
+    print(
+        f"  NBD I/O held (the storage node's log): p50 {percentile(held, 50):.1f} ms, "
+        f"max {max(held):.1f} ms"
     )
     for g in made:
         groups.DeleteVolumeGroupSnapshot(
