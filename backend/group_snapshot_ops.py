@@ -4,11 +4,10 @@ A group snapshot is one snapshot per source volume, all taken inside one
 barrier, so together they are crash-consistent: what they hold is what a
 power cut at one instant would have left on every member.
 
-- nbd members: their images are flushed (fdatasync) first, while I/O goes
-  on; then the I/O of every NBD client on them is held at once (each
+- nbd members: the I/O of every NBD client on them is held at once (each
   connection reads no new request; what it already read is served to the
-  end, the reply thread's writes included; ``nbd.holds``), and every image
-  is flushed again (what came in since).
+  end, the reply thread's writes included; ``nbd.holds``), then every image
+  is flushed (fdatasync).
 - nfs members: every filesystem is frozen (``fsfreeze``) before any copy.
 - Then each image is copied (a reflink where the pool has them), and the
   hold is released and the filesystems thawed.
@@ -153,10 +152,8 @@ class GroupSnapshots:
                 pool.delete_snapshot(snap_id)
             nbd = [vol for _, vol, kind, _ in members if kind == VolumeType.NBD]
             nfs = [(vol, fs) for _, vol, kind, fs in members if kind == VolumeType.NFS and fs]
-            # Written back before the hold, so that the flush under it (I/O
-            # stopped) has only what came in since to write.
-            for vol in nbd:
-                pool.flush_image(vol)
+            # No flush before the hold: measured, it made the hold longer, not
+            # shorter (docs/performance.md, section 8).
             with ExitStack() as barrier:
                 barrier.enter_context(pool.frozen_together(nfs))
                 lease_ends = time.monotonic() + HOLD_LEASE
