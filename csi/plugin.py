@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from csi import attach, mounts
 from csi.config import PluginConfig
 from csi.controller import ControllerService
+from csi.groupcontroller import GroupControllerService
 from csi.health import start_health
 from csi.identity import IdentityService, ReadinessCheck, directory_usable
 from csi.kubeletpaths import DEFAULT_ROOT
@@ -100,10 +101,12 @@ class Plugin:
         # the controller's, and the node's for ephemeral volumes
         self.storage_nodes = StorageNodes(config.file) if config.file.storage_nodes else None
         self.controller: ControllerService | None = None
+        self.group_controller: GroupControllerService | None = None
         if mode in ("controller", "all"):
             if self.storage_nodes is None:
                 raise StartError(f"--mode {mode} needs a --config naming at least one storage node")
             self.controller = ControllerService(self.storage_nodes)
+            self.group_controller = GroupControllerService(self.storage_nodes)
         self.node = self._node_service(mode) if serves_node else None
         # Probe answers for this process only, never for a storage node (csi/identity.py)
         checks: list[ReadinessCheck] = []
@@ -185,6 +188,8 @@ class Plugin:
         ]
         if self.controller is not None:
             services.append((pb_grpc.add_ControllerServicer_to_server, self.controller))
+        if self.group_controller is not None:
+            services.append((pb_grpc.add_GroupControllerServicer_to_server, self.group_controller))
         if self.node is not None:
             services.append((pb_grpc.add_NodeServicer_to_server, self.node))
         for register, service in services:

@@ -16,6 +16,7 @@ import functools
 import logging
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -35,6 +36,7 @@ from nbd.constants import (
 )
 from nbd.exports import ExportStats
 from nbd.handshake import BASE_ALLOCATION_ID, Session
+from nbd.holds import Holds
 from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
 from nbd.throttle import Throttle
 from nbd.transport import (
@@ -178,6 +180,11 @@ class Transmission:
         self._budget = ByteBudget(MAX_BUFFERED)
         self._stopping = False
         self._awaiting_request = False
+        # Waiting at a hold on the image (``nbd.holds``), or done reading.
+        self._at_hold = False
+        self._reading_done = False
+        # The server's holds, set by the server once the connection is registered.
+        self.holds: Holds | None = None
         self.requests = 0
         self.threaded = 0
         # The export's I/O limits, shared with its other connections (set by
@@ -188,13 +195,25 @@ class Transmission:
     def stop_reading(self) -> None:
         """Read no more requests; those already read still get their replies.
 
-        Only a wait for the next request is interrupted: cancelling the reader
+        Only a wait for the next request (or at a hold) is interrupted: cancelling the reader
         while it writes an inline reply would leave half a reply on the wire,
         with the replies of other requests following it.
         """
         self._stopping = True
-        if self._awaiting_request:
+        if self._awaiting_request or self._at_hold:
             self.reader_scope.cancel()
+
+    @property
+    def image_path(self) -> Path:
+        return self.s.export.path
+
+    def quiet(self) -> bool:
+        """Whether nothing this connection read is being served, and its reader
+        waits (for a request, or at a hold) or has stopped: a hold's test."""
+        parked = self._awaiting_request or self._at_hold or self._reading_done
+        if not parked or self._in_flight.value != MAX_IN_FLIGHT:
+            return False
+        return not (isinstance(self.replies, ThreadedReplies) and self.replies.writes_pending())
 
     # ------------------------------------------------------------ replies
 
@@ -223,8 +242,11 @@ class Transmission:
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._write_replies)
                 async with trio.open_nursery() as nursery:
-                    with self.reader_scope:
-                        await self._read_loop(nursery)
+                    try:
+                        with self.reader_scope:
+                            await self._read_loop(nursery)
+                    finally:
+                        self._reading_done = True
                     # The nursery now waits for every request already read.
                 self.replies.close()  # the writer sends what is queued, then ends
         finally:
@@ -252,6 +274,14 @@ class Transmission:
                     return
                 finally:
                     self._awaiting_request = False
+            holds = self.holds
+            if holds and holds.holding(self.s.export.path) is not None:
+                self._at_hold = True
+                try:
+                    await holds.wait_released(self.s.export.path)
+                finally:
+                    self._at_hold = False
+                continue  # the connection may have been told to stop meanwhile
             if batches:
                 served, need = await self._serve_batch()
                 # While requests come in batches, read as much as there is
