@@ -114,10 +114,12 @@ def run_sanity(
     Kubernetes runs them; with ``node_specs``, the Node specs against one plugin
     in ``all`` mode (csi-sanity publishes through the controller only when the
     endpoint it stages on also claims the controller service)."""
-    report = sanity_once(site, name, parameters, mutable, node_specs, access)
+    report = sanity_once(site, name, parameters, mutable, node_specs, access, group_specs)
     if report is None:
         print(f"csi-sanity {name}: only csi-test's connect race failed; running it again")
-        report = sanity_once(site, f"{name}-again", parameters, mutable, node_specs, access)
+        report = sanity_once(
+            site, f"{name}-again", parameters, mutable, node_specs, access, group_specs
+        )
     assert report is not None, f"csi-sanity {name}: the connect race twice in a row"
     specs: list[dict[str, object]] = []
     for suite in json.loads(report.read_text()):
@@ -126,7 +128,13 @@ def run_sanity(
 
 
 def sanity_once(
-    site: Site, name: str, parameters: str, mutable: str, node_specs: bool, access: str
+    site: Site,
+    name: str,
+    parameters: str,
+    mutable: str,
+    node_specs: bool,
+    access: str,
+    group_specs: bool,
 ) -> Path | None:
     """One csi-sanity run; its report, or None if only the connect race failed."""
     work = site.root / name
