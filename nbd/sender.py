@@ -148,6 +148,11 @@ class ThreadedReplies:
         # writer sends it first, still holding ``_sending`` for it.
         self._tail: list[memoryview] | None = None
 
+    @property
+    def sending_lock(self) -> threading.Lock:
+        """Held by whoever writes to the socket; another thread that writes takes it too."""
+        return self._sending
+
     def send_now(self, data: memoryview) -> bool:
         """Send whole replies from the loop at once, if nobody else is writing.
 
