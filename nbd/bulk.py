@@ -49,6 +49,8 @@ _POLL_MS = 20
 # the start of its payload.
 _NEXT_CHUNK = 16 * 1024
 _IOV_MAX = 512
+# Read replies are sent together up to this much data.
+_GATHER = 1024 * 1024
 # Write replies are gathered and sent together once this many wait, or
 # before the thread would wait for input.
 _REPLIES_MAX = 64
@@ -140,34 +142,47 @@ class BulkRun:
 
     def _serve(self, result: RunResult) -> None:
         t = self.t
-        image = self.image
         while not self.cancelled and not self.stopping():
             if t._end - t._start < _HEADER and not self._fill_header():
                 return
-            magic, flags, type_, cookie, offset, length = _REQUEST.unpack_from(t._rbuf, t._start)
-            if (
-                magic != REQUEST_MAGIC
-                or flags
-                or not BULK_MIN <= length <= MAX_PAYLOAD
-                or (offset | length) & self.mask
-                or offset + length > image.size
-                or not self.unlimited()
-            ):
+            req = self._next()
+            if req is None:
                 result.declined = True
                 return
-            if type_ == _WRITE and not self.read_only and image.may_write_inline():
+            type_, cookie, offset, length = req
+            if type_ == _WRITE:
                 t._start += _HEADER
                 self._write(cookie, offset, length, result)
-            elif type_ == _READ:
-                if not self._read(cookie, offset, length, result):
-                    result.declined = True
-                    return
             else:
-                result.declined = True
-                return
-            result.requests += 1
+                self._reads(req, result)
             if len(self._replies) >= _REPLIES_MAX * 16:
                 self._send_replies()
+
+    def _next(self) -> tuple[int, int, int, int] | None:
+        """The buffered request (type, cookie, offset, length) if a run serves it."""
+        t = self.t
+        image = self.image
+        magic, flags, type_, cookie, offset, length = _REQUEST.unpack_from(t._rbuf, t._start)
+        if (
+            magic != REQUEST_MAGIC
+            or flags
+            or not BULK_MIN <= length <= MAX_PAYLOAD
+            or (offset | length) & self.mask
+            or offset + length > image.size
+            or not self.unlimited()
+        ):
+            return None
+        if type_ == _WRITE:
+            if self.read_only or not image.may_write_inline():
+                return None
+        elif type_ == _READ:
+            if self.structured and length >= self.hole_check_min:
+                runs = image.extents(offset, length, limit=2)
+                if len(runs) != 1 or runs[0][1]:
+                    return None  # holes: the event loop's reply has hole chunks
+        else:
+            return None
+        return type_, cookie, offset, length
 
     # ------------------------------------------------------------- writes
 
@@ -219,38 +234,59 @@ class BulkRun:
 
     # -------------------------------------------------------------- reads
 
-    def _read(self, cookie: int, offset: int, length: int, result: RunResult) -> bool:
-        """Read and send; False (nothing consumed) for a read that meets a hole."""
+    def _reads(self, req: tuple[int, int, int, int], result: RunResult) -> None:
+        """Serve the read ``req`` and the reads buffered after it, sent together.
+
+        Up to ``_GATHER`` bytes of data go out in one ``writev`` (with any
+        write replies still waiting), as the reply thread gathers them.
+        """
+        t = self.t
         image = self.image
         structured = self.structured
-        if structured and length >= self.hole_check_min:
-            runs = image.extents(offset, length, limit=2)
-            if len(runs) != 1 or runs[0][1]:
-                return False  # holes: the event loop's reply has hole chunks
-        self.t._start += _HEADER
-        buf = self.pool.get(length)
+        parts = [memoryview(self._replies)]
+        self._replies = bytearray()
+        bufs = []
+        gathered = 0
         try:
-            try:
-                image.read_into(memoryview(buf), offset)
-            except OSError as e:
-                result.errors += 1
-                code = self.wire_errno(e, _READ, 0)
-                if structured:
-                    head = codec.encode_error_chunk(cookie, code, e.strerror or str(e))
+            while True:
+                _, cookie, offset, length = req
+                t._start += _HEADER
+                result.requests += 1
+                buf = self.pool.get(length)
+                bufs.append(buf)
+                try:
+                    image.read_into(memoryview(buf), offset)
+                except OSError as e:
+                    result.errors += 1
+                    code = self.wire_errno(e, _READ, 0)
+                    if structured:
+                        head = codec.encode_error_chunk(cookie, code, e.strerror or str(e))
+                    else:
+                        head = codec.encode_simple_reply(cookie, code)
+                    parts.append(memoryview(head))
                 else:
-                    head = codec.encode_simple_reply(cookie, code)
-                self._replies += head
-                return True
-            if structured:
-                head = codec.encode_offset_data_header(cookie, offset, length, True)
-            else:
-                head = codec.encode_simple_reply(cookie)
-            self._send([memoryview(self._replies), memoryview(head), memoryview(buf)])
-            self._replies = bytearray()
-            result.read_bytes += length
+                    if structured:
+                        head = codec.encode_offset_data_header(cookie, offset, length, True)
+                    else:
+                        head = codec.encode_simple_reply(cookie)
+                    parts += (memoryview(head), memoryview(buf))
+                    result.read_bytes += length
+                    gathered += length
+                if (
+                    gathered >= _GATHER
+                    or t._end - t._start < _HEADER
+                    or self.cancelled
+                    or self.stopping()
+                ):
+                    break
+                following = self._next()
+                if following is None or following[0] != _READ:
+                    break
+                req = following
+            self._send(parts)
         finally:
-            self.pool.put(buf)
-        return True
+            for buf in bufs:
+                self.pool.put(buf)
 
     # ------------------------------------------------------------- socket
 
