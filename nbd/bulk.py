@@ -152,6 +152,7 @@ class BulkRun:
             type_, cookie, offset, length = req
             if type_ == _WRITE:
                 t._start += _HEADER
+                result.requests += 1
                 self._write(cookie, offset, length, result)
             else:
                 self._reads(req, result)
