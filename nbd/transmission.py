@@ -238,6 +238,9 @@ class Transmission:
                 self.replies.close()  # the writer sends what is queued, then ends
         finally:
             self.image.close()
+            # The run refers back to this transmission: without this the pair
+            # (and the run's pooled buffers) would wait for the cycle collector.
+            self._bulk = None
 
     async def _write_replies(self) -> None:
         try:

@@ -9,11 +9,13 @@ run stops (the request it leaves unread) and that it ends when told to.
 from __future__ import annotations
 
 import errno
+import gc
 import random
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -394,3 +396,27 @@ async def test_stop_reading_ends_a_run_that_waits_for_a_request(
             await trio.sleep(0.1)  # the run waits for the next request
             tx.stop_reading()
     # tx.run returned by itself: the nursery closed without a cancel.
+
+
+async def test_a_finished_connection_frees_its_run_without_the_cycle_collector(
+    image_path: Path,
+) -> None:
+    """The run's pooled buffers (up to a few MiB) go as soon as the connection does."""
+    tx, client = _transmission(image_path)
+    gc.disable()
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(tx.run)
+                await client.send_all(
+                    codec.encode_request(Command.WRITE, 1, 0, 256 * KiB) + bytes(256 * KiB)
+                )
+                pending = bytearray()
+                while len(pending) < 16:
+                    pending += await client.receive_some(16)
+                assert tx._bulk is not None
+                run = weakref.ref(tx._bulk)
+                await client.send_all(codec.encode_request(Command.DISC, 0, 0, 0))
+        assert run() is None, "the run outlived its connection"
+    finally:
+        gc.enable()
