@@ -26,8 +26,10 @@ stays in the input buffer, unanswered and unread.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from nbd import codec
 from nbd.constants import MAX_PAYLOAD, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC, Command
 from nbd.image import Image
 from nbd.iov import consume
-from nbd.transport import BufferPool, PeerClosed, Transport
+from nbd.transport import BufferPool, DataBuffer, PeerClosed, Transport
 
 # Requests larger than this go through a run (smaller ones are the batch
 # path's; ``nbd.sender.DIRECT_MAX``).
@@ -54,6 +56,11 @@ _GATHER = 1024 * 1024
 # Write replies are gathered and sent together once this many wait, or
 # before the thread would wait for input.
 _REPLIES_MAX = 64
+# The pipe a read's data passes through on its way from the page cache to the
+# socket (``splice``): reads up to this size are not copied by the server.
+PIPE_SIZE = 1024 * 1024
+# splice() errors that say the file or the socket cannot splice at all.
+_NO_SPLICE = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS)
 
 _REQUEST = codec.REQUEST
 _HEADER = _REQUEST.size
@@ -125,6 +132,21 @@ class BulkRun:
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN)
         self._out_poll: select.poll | None = None
+        # Opened by the first read (``_open_pipe``); -1: reads are copied.
+        self._pipe: tuple[int, int] | None = None
+        self._pipe_size = 0
+        self._sock: socket.socket | None = None
+
+    def close(self) -> None:
+        """Close the pipe and the socket's duplicate (the connection's own fd stays)."""
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._pipe_size = -1
 
     # ---------------------------------------------------------------- run
 
@@ -236,42 +258,25 @@ class BulkRun:
     # -------------------------------------------------------------- reads
 
     def _reads(self, req: tuple[int, int, int, int], result: RunResult) -> None:
-        """Serve the read ``req`` and the reads buffered after it, sent together.
+        """Serve the read ``req`` and the reads buffered after it.
 
-        Up to ``_GATHER`` bytes of data go out in one ``writev`` (with any
-        write replies still waiting), as the reply thread gathers them.
+        A read that fits the pipe goes from the page cache to the socket
+        without a copy in this process (``splice``), right behind its reply
+        header.  Other reads are copied into buffers and sent together, up
+        to ``_GATHER`` bytes in one ``writev`` (with any write replies still
+        waiting), as the reply thread sends them.
         """
         t = self.t
-        image = self.image
-        structured = self.structured
         parts = [memoryview(self._replies)]
         self._replies = bytearray()
-        bufs = []
+        bufs: list[DataBuffer] = []
         gathered = 0
         try:
             while True:
                 _, cookie, offset, length = req
                 t._start += _HEADER
                 result.requests += 1
-                buf = self.pool.get(length)
-                bufs.append(buf)
-                try:
-                    image.read_into(memoryview(buf), offset)
-                except OSError as e:
-                    result.errors += 1
-                    code = self.wire_errno(e, _READ, 0)
-                    if structured:
-                        head = codec.encode_error_chunk(cookie, code, e.strerror or str(e))
-                    else:
-                        head = codec.encode_simple_reply(cookie, code)
-                    parts.append(memoryview(head))
-                else:
-                    if structured:
-                        head = codec.encode_offset_data_header(cookie, offset, length, True)
-                    else:
-                        head = codec.encode_simple_reply(cookie)
-                    parts += (memoryview(head), memoryview(buf))
-                    result.read_bytes += length
+                if self._read_one(cookie, offset, length, parts, bufs, result):
                     gathered += length
                 if (
                     gathered >= _GATHER
@@ -288,6 +293,129 @@ class BulkRun:
         finally:
             for buf in bufs:
                 self.pool.put(buf)
+
+    def _read_one(
+        self,
+        cookie: int,
+        offset: int,
+        length: int,
+        parts: list[memoryview],
+        bufs: list[DataBuffer],
+        result: RunResult,
+    ) -> bool:
+        """Answer one read: spliced and sent now, or added to ``parts``; True: data in ``parts``."""
+        spliced = 0
+        if length <= self._pipe_size or (self._pipe_size == 0 and self._open_pipe(length)):
+            spliced, error = self._splice_in(offset, length)
+            if error is not None and error.errno in _NO_SPLICE:
+                self._pipe_size = -1  # copied from now on
+            if spliced == length:
+                parts.append(memoryview(self._data_head(cookie, offset, length)))
+                self._send_spliced(parts, length)
+                parts.clear()
+                result.read_bytes += length
+                return False
+        # Copied: what the pipe took comes out of it first (an error or the
+        # end of the file stopped it), the rest is read as usual.
+        buf = self.pool.get(length)
+        bufs.append(buf)
+        view = memoryview(buf)
+        try:
+            if spliced:
+                self._drain_pipe(view[:spliced])
+            self.image.read_into(view[spliced:], offset + spliced)
+        except OSError as e:
+            result.errors += 1
+            code = self.wire_errno(e, _READ, 0)
+            if self.structured:
+                head = codec.encode_error_chunk(cookie, code, e.strerror or str(e))
+            else:
+                head = codec.encode_simple_reply(cookie, code)
+            parts.append(memoryview(head))
+            return False
+        parts += (memoryview(self._data_head(cookie, offset, length)), view)
+        result.read_bytes += length
+        return True
+
+    def _data_head(self, cookie: int, offset: int, length: int) -> bytes:
+        if self.structured:
+            return codec.encode_offset_data_header(cookie, offset, length, True)
+        return codec.encode_simple_reply(cookie)
+
+    # ------------------------------------------------------------ splice
+
+    def _open_pipe(self, length: int) -> bool:
+        """The pipe for spliced reads; False: ``length`` does not fit, or no pipe."""
+        try:
+            r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            self._pipe_size = -1
+            return False
+        self._pipe = (r, w)
+        try:
+            self._pipe_size = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:  # over the user's pipe allowance: the size it has
+            self._pipe_size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
+        # For MSG_MORE (the reply header waits for its data); shares the
+        # connection's open file, so it stays non-blocking.
+        self._sock = socket.socket(fileno=os.dup(self._fd))
+        return length <= self._pipe_size
+
+    def _splice_in(self, offset: int, length: int) -> tuple[int, OSError | None]:
+        """Move up to ``length`` bytes of the image at ``offset`` into the empty pipe.
+
+        Returns how many it holds, fewer than ``length`` at the end of the
+        file, when the pipe is full (pages not aligned to its slots) or at
+        an error (returned, for the copied read to meet again or not).
+        """
+        assert self._pipe is not None
+        w = self._pipe[1]
+        image = self.image
+        got = 0
+        while got < length:
+            try:
+                n = image.splice_to(w, offset + got, length - got)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                return got, e
+            if n == 0:
+                break
+            got += n
+        return got, None
+
+    def _drain_pipe(self, view: memoryview) -> None:
+        """Read back the ``len(view)`` bytes the pipe holds (a read that is copied after all)."""
+        assert self._pipe is not None
+        got = 0
+        while got < len(view):
+            got += os.readv(self._pipe[0], [view[got:]])
+
+    def _send_spliced(self, parts: list[memoryview], length: int) -> None:
+        """Send ``parts`` (ending in a reply header) then the ``length`` bytes in the pipe."""
+        assert self._pipe is not None and self._sock is not None
+        views = [v for v in parts if len(v)]
+        r = self._pipe[0]
+        self._lock_sending()
+        try:
+            while views:
+                try:
+                    sent = self._sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_MORE)
+                except BlockingIOError:
+                    self._wait_writable()
+                    continue
+                consume(views, sent)
+            while length:
+                try:
+                    n = os.splice(r, self._fd, length)
+                except BlockingIOError:
+                    self._wait_writable()
+                    continue
+                if n == 0:
+                    raise OSError(errno.EIO, "the pipe ran dry in a spliced read")
+                length -= n
+        finally:
+            self.sending.release()
 
     # ------------------------------------------------------------- socket
 
@@ -327,11 +455,16 @@ class BulkRun:
             self._send([memoryview(self._replies)])
             self._replies = bytearray()
 
-    def _send(self, views: list[memoryview]) -> None:
-        views = [v for v in views if len(v)]
+    def _lock_sending(self) -> None:
         while not self.sending.acquire(timeout=_POLL_MS / 1000):
             if self.cancelled:
                 raise PeerClosed("connection closed while a run waited to send")
+
+    def _send(self, views: list[memoryview]) -> None:
+        views = [v for v in views if len(v)]
+        if not views:
+            return
+        self._lock_sending()
         try:
             while views:
                 try:

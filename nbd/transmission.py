@@ -240,7 +240,10 @@ class Transmission:
             self.image.close()
             # The run refers back to this transmission: without this the pair
             # (and the run's pooled buffers) would wait for the cycle collector.
-            self._bulk = None
+            # No thread serves it any more (``_in_thread`` waits for the thread).
+            if self._bulk is not None:
+                self._bulk.close()
+                self._bulk = None
 
     async def _write_replies(self) -> None:
         try:

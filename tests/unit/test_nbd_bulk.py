@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import random
 import socket
 import struct
@@ -37,7 +38,7 @@ from nbd.exports import Export
 from nbd.handshake import Session
 from nbd.image import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, Image, fallocate
 from nbd.transmission import HOLE_CHECK_MIN, Transmission, wire_errno
-from nbd.transport import BufferPool, Transport
+from nbd.transport import BufferPool, DataBuffer, Transport
 
 SIZE = 8 << 20
 HOLE = (6 << 20, 1 << 20)
@@ -45,9 +46,22 @@ KiB = 1024
 
 
 class _Failing(Image):
-    """Fails the write at ``fail_at`` with ENOSPC."""
+    """Fails the write at ``fail_at`` with ENOSPC, a read over ``fail_read_at`` with EIO."""
 
     fail_at: int | None = None
+    fail_read_at: int | None = None
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        if self.fail_read_at is not None and offset <= self.fail_read_at < offset + len(buf):
+            raise OSError(errno.EIO, "injected")
+        super().read_into(buf, offset)
+
+    def splice_to(self, pipe: int, offset: int, length: int) -> int:
+        if self.fail_read_at is not None:
+            if offset == self.fail_read_at:
+                raise OSError(errno.EIO, "injected")
+            length = min(length, 64 * KiB)  # several calls a read
+        return super().splice_to(pipe, offset, length)
 
     def writev_timed(self, views: list[memoryview], offset: int) -> None:
         if offset == self.fail_at:
@@ -122,6 +136,7 @@ class _Rig:
 
     def close(self) -> None:
         self.client.close()
+        self.run.close()
         self._ours.close()  # trio's wrapper would need a running loop to close it
         self.image.close()
 
@@ -288,6 +303,123 @@ def test_after_a_slow_write_the_run_leaves_writes_to_the_event_loop(
     r.start()
     result = r.finish()
     assert (result.requests, result.declined) == (0, True)
+
+
+class _CountingPool(BufferPool):
+    """Counts the buffers taken: a read copied by the server takes one."""
+
+    taken = 0
+
+    def get(self, size: int) -> DataBuffer:
+        self.taken += 1
+        return super().get(size)
+
+
+def _reads(r: _Rig, cookies_offsets: list[tuple[int, int]], length: int) -> bytes:
+    return b"".join(codec.encode_request(Command.READ, c, o, length) for c, o in cookies_offsets)
+
+
+def _simple_read_replies(r: _Rig, n: int, length: int) -> dict[int, tuple[int, bytes]]:
+    """``n`` simple replies to reads of ``length``: cookie -> (error, data)."""
+    out = {}
+    for _ in range(n):
+        cookie, error = r.simple_reply()
+        out[cookie] = (error, r.exact(length) if not error else b"")
+    return out
+
+
+def test_a_read_goes_from_the_page_cache_to_the_socket_without_a_copy(
+    rig: Callable[..., _Rig], image_path: Path
+) -> None:
+    r = rig(structured=False)
+    pool = r.run.pool = _CountingPool()
+    want = image_path.read_bytes()
+    offsets = [(c, c * 512 * KiB) for c in range(4)]
+    sender = r.send(_reads(r, offsets, 512 * KiB))
+    r.start()
+    replies = _simple_read_replies(r, 4, 512 * KiB)
+    assert replies == {c: (0, want[o : o + 512 * KiB]) for c, o in offsets}
+    result = r.finish()
+    sender.join()
+    assert (result.requests, result.read_bytes, result.errors) == (4, 4 * 512 * KiB, 0)
+    assert pool.taken == 0  # spliced: no buffer held the data
+
+
+def test_a_read_larger_than_the_pipe_is_copied(
+    rig: Callable[..., _Rig], image_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bulk, "PIPE_SIZE", 64 * KiB)
+    r = rig(structured=False)
+    pool = r.run.pool = _CountingPool()
+    want = image_path.read_bytes()
+    offsets = [(1, 0), (2, 1024 * KiB)]
+    sender = r.send(_reads(r, offsets, 256 * KiB))
+    r.start()
+    assert _simple_read_replies(r, 2, 256 * KiB) == {
+        c: (0, want[o : o + 256 * KiB]) for c, o in offsets
+    }
+    r.finish()
+    sender.join()
+    assert pool.taken == 2
+
+
+def test_a_read_the_file_fails_in_the_pipe_gets_its_error_and_the_run_goes_on(
+    rig: Callable[..., _Rig], image_path: Path
+) -> None:
+    """A read error before the header went out is answered like a copied read's."""
+    r = rig(structured=True, failing=True)
+    assert isinstance(r.image, _Failing)
+    # The read's first 64 KiB get into the pipe, then the file fails.
+    r.image.fail_read_at = 320 * KiB
+    want = image_path.read_bytes()
+    sender = r.send(_reads(r, [(0, 0), (1, 256 * KiB), (2, 512 * KiB)], 256 * KiB))
+    r.start()
+    got: dict[int, tuple[int, bytes]] = {}
+    for _ in range(3):
+        magic, flags, type_, cookie, length = struct.unpack(">IHHQI", r.exact(20))
+        assert magic == STRUCTURED_REPLY_MAGIC and flags == 1
+        body = r.exact(length)
+        if type_ == int(ReplyType.OFFSET_DATA):
+            got[cookie] = (0, body[8:])
+        else:
+            assert type_ == int(ReplyType.ERROR)
+            got[cookie] = (struct.unpack(">I", body[:4])[0], b"")
+    assert got == {
+        0: (0, want[: 256 * KiB]),
+        1: (int(Errno.EIO), b""),
+        2: (0, want[512 * KiB : 768 * KiB]),
+    }
+    result = r.finish()
+    sender.join()
+    assert (result.requests, result.errors, result.read_bytes) == (3, 1, 2 * 256 * KiB)
+
+
+def test_a_read_past_the_end_of_a_shrunk_file_reads_zeroes(
+    rig: Callable[..., _Rig], image_path: Path
+) -> None:
+    r = rig(structured=False)
+    want = image_path.read_bytes()[: 128 * KiB] + bytes(128 * KiB)
+    os.truncate(image_path, 128 * KiB)  # the image's size is still the old one
+    sender = r.send(_reads(r, [(7, 0)], 256 * KiB))
+    r.start()
+    assert _simple_read_replies(r, 1, 256 * KiB) == {7: (0, want)}
+    r.finish()
+    sender.join()
+
+
+def test_closing_a_run_closes_its_pipe(rig: Callable[..., _Rig]) -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    r = rig(structured=False)
+    opened = set(os.listdir("/proc/self/fd")) - before
+    sender = r.send(_reads(r, [(1, 0)], 256 * KiB))
+    r.start()
+    _simple_read_replies(r, 1, 256 * KiB)
+    r.finish()
+    sender.join()
+    with_pipe = set(os.listdir("/proc/self/fd")) - before - opened
+    assert len(with_pipe) == 3  # the pipe's two ends and the socket's duplicate
+    r.run.close()
+    assert set(os.listdir("/proc/self/fd")) - before - opened == set()
 
 
 # ------------------------------------------------------- through the transmission
