@@ -85,6 +85,11 @@ class Holds:
         log.info("I/O released (hold %s)", hold_id)
         return True
 
+    def names(self, path: Path) -> bool:
+        """Whether a hold names ``path``, leases aside: safe from any thread
+        (a run of requests served in a thread asks it between requests)."""
+        return any(path in hold.paths for hold in list(self._holds.values()))
+
     def holding(self, path: Path) -> Hold | None:
         """The hold in force on ``path``, if any; holds past their lease end here."""
         now = trio.current_time()

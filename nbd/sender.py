@@ -152,6 +152,11 @@ class ThreadedReplies:
         self.writes_queued = 0
         self.writes_made = 0
 
+    @property
+    def sending_lock(self) -> threading.Lock:
+        """Held by whoever writes to the socket; another thread that writes takes it too."""
+        return self._sending
+
     def send_now(self, data: memoryview) -> bool:
         """Send whole replies from the loop at once, if nobody else is writing.
 

@@ -17,11 +17,12 @@ import logging
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 from nbd import codec
+from nbd.bulk import BulkRun, RunResult, wants_run
 from nbd.codec import ProtocolError, Request
 from nbd.constants import (
     MAX_PAYLOAD,
@@ -49,6 +50,9 @@ from nbd.transport import (
     data_buffer,
 )
 
+if TYPE_CHECKING:
+    from outcome import Outcome
+
 log = logging.getLogger("moorage.nbd")
 
 T = TypeVar("T")
@@ -71,6 +75,9 @@ MAX_EXTENTS = 4096
 BATCH_MAX = DIRECT_MAX
 # Room for one batch's replies, read data included.
 BATCH_BYTES = 256 * 1024
+# After a run of large requests (``nbd.bulk``) that served nothing, this many
+# requests are served by the event loop before a run is tried again.
+BULK_BACKOFF = 64
 
 _REQUEST_MAGIC = REQUEST_MAGIC
 _SIMPLE_REPLY_MAGIC = SIMPLE_REPLY_MAGIC
@@ -185,6 +192,8 @@ class Transmission:
         self._reading_done = False
         # The server's holds, set by the server once the connection is registered.
         self.holds: Holds | None = None
+        self._bulk: BulkRun | None = None
+        self._bulk_after = 0  # no run before this many requests
         self.requests = 0
         self.threaded = 0
         # The export's I/O limits, shared with its other connections (set by
@@ -251,6 +260,12 @@ class Transmission:
                 self.replies.close()  # the writer sends what is queued, then ends
         finally:
             self.image.close()
+            # The run refers back to this transmission: without this the pair
+            # (and the run's pooled buffers) would wait for the cycle collector.
+            # No thread serves it any more (``_in_thread`` waits for the thread).
+            if self._bulk is not None:
+                self._bulk.close()
+                self._bulk = None
 
     async def _write_replies(self) -> None:
         try:
@@ -300,6 +315,10 @@ class Transmission:
                         return
                     continue
                 if served:
+                    continue
+                if self.requests >= self._bulk_after and wants_run(t._rbuf, t._start):
+                    if not await self._serve_run():
+                        return
                     continue
             header = t.take(header_size)
             try:
@@ -457,6 +476,57 @@ class Transmission:
             if not replies.send_now(oview[:used]):
                 await replies.put([bytes(oview[:used])])
         return served, need
+
+    async def _serve_run(self) -> bool:
+        """Serve a run of large plain requests in one thread (``nbd.bulk``); False: stop.
+
+        The event loop waits for the thread as one task: no request of the
+        run passes through it.  Cancelled (the export went away), the
+        thread is told and waited for (at most ``nbd.bulk._POLL_MS`` or the
+        request it is serving).
+        """
+        if self.throttle is not None and not self.throttle.unlimited:
+            self._bulk_after = self.requests + BULK_BACKOFF
+            return True
+        run = self._bulk
+        if run is None:
+            replies = self.replies
+            assert isinstance(replies, ThreadedReplies)
+            throttle = self.throttle
+            run = self._bulk = BulkRun(
+                self.t,
+                self.image,
+                self._buffers,
+                replies.sending_lock,
+                self.s.structured,
+                self.s.export.min_block_size,
+                self.s.export.read_only,
+                self._run_must_end,
+                HOLE_CHECK_MIN,
+                lambda e, command, flags: int(wire_errno(e, command, flags)),
+            )
+            if throttle is not None:
+                run.unlimited = lambda: throttle.unlimited
+        run.cancelled = False
+        result = await _in_thread(run.serve, run)
+        self.requests += result.requests
+        stats = self.stats
+        stats.requests += result.requests
+        stats.read_bytes += result.read_bytes
+        stats.written_bytes += result.written_bytes
+        stats.errors += result.errors
+        if result.error is not None:
+            log.debug("%s: connection lost during a run: %s", self.label, result.error)
+            return False
+        if result.declined:
+            self._bulk_after = self.requests + (1 if result.requests else BULK_BACKOFF)
+        return True
+
+    def _run_must_end(self) -> bool:
+        """Asked by a run between requests: stop reading, or a hold on the image
+        (the event loop then waits at the hold, where the run could not)."""
+        holds = self.holds
+        return self._stopping or bool(holds and holds.names(self.s.export.path))
 
     def _validate(self, req: Request) -> tuple[Errno, str] | None:
         # A request read while the server shuts down is served like any other,
@@ -696,3 +766,21 @@ class Transmission:
 
 
 _HOLE_ZERO = 0b11  # NBD_STATE_HOLE | NBD_STATE_ZERO
+
+
+async def _in_thread(fn: Callable[[], RunResult], run: BulkRun) -> RunResult:
+    """``fn()`` in one of trio's cached threads; a cancellation sets ``run.cancelled``
+    and still waits for ``fn`` to return (it looks at least every 20 ms)."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(outcome: Outcome[RunResult]) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, outcome)
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        run.cancelled = True
+        return trio.lowlevel.Abort.FAILED
+
+    trio.lowlevel.start_thread_soon(fn, deliver)
+    result: RunResult = await trio.lowlevel.wait_task_rescheduled(abort)
+    return result

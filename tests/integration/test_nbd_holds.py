@@ -164,3 +164,49 @@ async def test_a_hold_never_released_ends_with_its_lease(tmp_path: Path, workers
                 assert at(a, i * 4096) == block(5)
             for client in on_a:
                 await client.disconnect()
+
+
+@workers
+async def test_a_hold_ends_a_run_of_large_writes(tmp_path: Path, workers: int) -> None:
+    """Plain 256 KiB writes that keep coming are served by a run in a thread
+    (``nbd.bulk``), not by the event loop: the run must end at a hold, so the
+    hold is reached while the client goes on sending, and nothing lands after."""
+    size = 256 * 1024
+    a = sparse_image(tmp_path / "a.img", 64 * MiB)
+    table = ExportTable([Export("a", a)])
+    slots = (64 * MiB) // size
+    sent = 0
+    done = trio.Event()
+
+    async def stream(client: WireClient) -> None:
+        nonlocal sent
+        window = 8
+        for _ in range(window):
+            await client.request(Command.WRITE, sent, (sent % slots) * size, size,
+                                 payload=block(sent, size))  # fmt: skip
+            sent += 1
+        while not done.is_set():
+            assert (await client.reply()).error == 0
+            await client.request(Command.WRITE, sent, (sent % slots) * size, size,
+                                 payload=block(sent, size))  # fmt: skip
+            sent += 1
+        for _ in range(window):
+            assert (await client.reply()).error == 0
+
+    with trio.fail_after(TIMEOUT):
+        async with serving(table, ServerConfig(workers=workers)) as (server, port):
+            (client,) = await clients_on(port, "a", 1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream, client)
+                while sent < 64:  # well into a run
+                    await trio.sleep(0.01)
+                await server.hold_io("h5", [a], lease=60, timeout=10)
+                reached = a.read_bytes()
+                await trio.sleep(SETTLE)
+                assert a.read_bytes() == reached, "a write landed after the hold was reached"
+                before = sent
+                server.release_io("h5")
+                while sent < before + 64:  # the stream goes on after the release
+                    await trio.sleep(0.01)
+                done.set()
+            await client.disconnect()
