@@ -50,22 +50,62 @@ packages=(
     # from an initramfs (cpio) holding its whole root filesystem
     qemu-system-x86 cpio
 )
+# Packages whose own service must not run here: Debian's prometheus (its
+# promtool checks and unit-tests the chart's alerts; the tests start their own
+# Prometheus on loopback, docs/monitoring.md).  Installed on their own, below.
+quiet_packages=(prometheus)
 
 missing=()
-for p in "${packages[@]}"; do
+quiet_missing=()
+for p in "${packages[@]}" "${quiet_packages[@]}"; do
     status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-    [ "$status" = "install ok installed" ] || missing+=("$p")
+    [ "$status" = "install ok installed" ] && continue
+    if [[ " ${quiet_packages[*]} " == *" $p "* ]]; then quiet_missing+=("$p"); else missing+=("$p"); fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-    echo "install-deps: all ${#packages[@]} host packages present"
+if [ ${#missing[@]} -eq 0 ] && [ ${#quiet_missing[@]} -eq 0 ]; then
+    echo "install-deps: all $(( ${#packages[@]} + ${#quiet_packages[@]} )) host packages present"
     exit 0
 fi
 
-echo "install-deps: installing ${missing[*]}"
+echo "install-deps: installing ${missing[*]} ${quiet_missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The quiet packages' maintainer scripts start their service through
+# invoke-rc.d or deb-systemd-invoke, both of which ask /usr/sbin/policy-rc.d
+# first: one that answers 101 (action forbidden) for the length of their
+# install keeps the service from ever starting.  A policy-rc.d the host had
+# is put back as it was.
+if [ ${#quiet_missing[@]} -gt 0 ]; then
+    policy=/usr/sbin/policy-rc.d
+    kept=""
+    if [ -e "$policy" ]; then
+        kept=$(mktemp "$policy.install-deps.XXXXXX")
+        cp -p "$policy" "$kept"
+    fi
+    restore_policy() {
+        if [ -n "$kept" ]; then mv -f "$kept" "$policy"; else rm -f "$policy"; fi
+    }
+    trap restore_policy EXIT
+    printf '#!/bin/sh\n# install-deps.sh: no service starts while it installs %s\nexit 101\n' \
+        "${quiet_missing[*]}" > "$policy"
+    chmod 0755 "$policy"
+    apt-get install -y -qq --no-install-recommends "${quiet_missing[@]}"
+    restore_policy
+    trap - EXIT
+    # and none starts at boot either
+    for p in "${quiet_missing[@]}"; do
+        if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+            systemctl disable "$p.service" >/dev/null 2>&1 || true
+        elif [ -x "/etc/init.d/$p" ]; then
+            update-rc.d "$p" disable >/dev/null 2>&1 || true
+        fi
+    done
+fi
 
 # The Debian package enables ganesha's own service; moorage runs ganesha
 # itself, with its own configuration, so the packaged one must not hold the
