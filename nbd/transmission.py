@@ -16,6 +16,7 @@ import functools
 import logging
 import struct
 from collections.abc import Callable
+from time import monotonic_ns
 from typing import TypeVar
 
 import trio
@@ -302,6 +303,7 @@ class Transmission:
 
     async def _serve_one(self, req: Request, cost: int, nursery: trio.Nursery) -> bool:
         """Take a request's payload and serve it, inline or in a task; False: stop reading."""
+        started = monotonic_ns()
         handed_off = False
         payload: DataBuffer | None = None
         try:
@@ -330,11 +332,12 @@ class Transmission:
                 return True
             await self._in_flight.acquire()
             self.threaded += 1
-            nursery.start_soon(self._handle, req, payload, cost)
+            nursery.start_soon(self._handle, req, payload, cost, started)
             handed_off = True
             return True
         finally:
             if not handed_off:
+                self.stats.service_ns += monotonic_ns() - started
                 self._budget.give(cost)
                 if payload is not None:
                     self._buffers.put(payload)
@@ -364,6 +367,9 @@ class Transmission:
         may_write = not self.s.export.read_only
         if self.throttle is not None and not self.throttle.unlimited:
             return 0, 0
+        # every request of the batch was in the buffer from here, and its reply
+        # is queued with the others' at the end
+        started = monotonic_ns()
         unpack = codec.REQUEST.unpack_from
         image.begin_inline()
         used = served = read = written = need = 0
@@ -422,6 +428,7 @@ class Transmission:
             stats.requests += served
             stats.read_bytes += read
             stats.written_bytes += written
+            stats.service_ns += served * (monotonic_ns() - started)
             replies = self.replies
             assert isinstance(replies, ThreadedReplies)
             if not replies.send_now(oview[:used]):
@@ -538,7 +545,9 @@ class Transmission:
 
     # ------------------------------------------------------ threaded path
 
-    async def _handle(self, req: Request, payload: DataBuffer | None, cost: int) -> None:
+    async def _handle(
+        self, req: Request, payload: DataBuffer | None, cost: int, started: int
+    ) -> None:
         try:
             await self._dispatch(req, payload)
         except RequestError as refused:
@@ -547,6 +556,7 @@ class Transmission:
             log.warning("%s: I/O error on %s: %s", self.label, req, e)
             await self._fail(req, wire_errno(e, req.type, req.flags), e.strerror or str(e))
         finally:
+            self.stats.service_ns += monotonic_ns() - started
             self._in_flight.release()
             self._budget.give(cost)
             if payload is not None:
