@@ -123,6 +123,7 @@ def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
         "moorage_nbd_read_bytes_total",  # NBD throughput
         "moorage_nbd_written_bytes_total",
         "moorage_nbd_requests_total",  # NBD IOPS
+        "moorage_nbd_request_seconds_total",  # NBD latency
         "csi_plugin_operations_seconds_bucket",  # CSI operation latency
     ):
         assert metric in text, metric
