@@ -1,0 +1,230 @@
+"""The chart's alerts and dashboard in a real Prometheus (Debian's, on loopback,
+file_sd targets, a data directory of its own) scraping a real storage node and
+real controller and node plugins, each with the job label the rules select by.
+
+The rules Prometheus loads are the chart's file with every ``for`` read in
+seconds instead of minutes (2m: 2s), and nothing else changed, so an alert
+that waits minutes in a cluster fires in seconds here.  The storage node
+stopped, "storage node down" fires, as Prometheus sees it and as the
+controller's health check sees it; started again, both resolve.  Every
+dashboard query returns a number once the node has served NBD and CSI calls.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from backend.api.proto import backend_pb2 as bpb
+from csi.proto import csi_pb2 as pb
+from csi.proto import csi_pb2_grpc as pb_grpc
+from tests.backend_node import BackendNode, make_node
+from tests.conftest import free_port
+from tests.csi_plugin import CsiPlugin, write_config
+from tests.prometheus_server import (
+    RULES,
+    PrometheusServer,
+    alert_rules,
+    as_prometheus_reads_it,
+    dashboard_queries,
+    seconds,
+)
+
+STORAGE_NODE_JOB = "moorage-storage-node"
+# Prometheus' rules on its 1 s evaluations: an alert firing, or resolved, shows
+# within a few evaluations of its condition changing; a storage node restarts
+# (ganesha included) in well under the bound
+ALERT_WAIT = 60
+# PromQL words that are not metric names
+_KEYWORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right",
+    "and", "or", "unless", "bool", "offset",
+}  # fmt: skip
+
+
+def fast_rules(path: Path) -> Path:
+    """The chart's rules with each ``for`` in seconds rather than minutes."""
+    doc = yaml.safe_load(RULES.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = f"{max(1, seconds(rule['for']) // 60)}s"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (no functions, labels or keywords)."""
+    text = re.sub(r'"[^"]*"', "", expr)  # label values
+    text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # ranges
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", text)
+    return {n for n in names if n not in _KEYWORDS}
+
+
+@dataclass
+class Monitored:
+    node: BackendNode
+    controller: CsiPlugin
+    node_plugin: CsiPlugin
+    prometheus: PrometheusServer
+    storage_node_target: str
+
+    def alerts(self, name: str) -> list[dict[str, Any]]:
+        return self.prometheus.alerts(name)
+
+    def firing(self, name: str) -> list[dict[str, str]]:
+        return [a["labels"] for a in self.alerts(name) if a["state"] == "firing"]
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
+    root = tmp_path_factory.mktemp("monitoring")
+    ports = {job: free_port() for job in ("sn", "controller", "node")}
+    node = make_node(root / "sn", extra_args=["--metrics-listen", f"127.0.0.1:{ports['sn']}"])
+    plugins: list[CsiPlugin] = []
+    prometheus = None
+    try:
+        node.start()
+        config = write_config(root / "csi.toml", [{"name": "sn-a", "address": node.address}])
+        for mode in ("controller", "node"):
+            extra = ["--metrics-address", f"127.0.0.1:{ports[mode]}"]
+            if mode == "controller":
+                extra += ["--storage-node-check-interval", "0.5"]
+            plugins.append(CsiPlugin(root / mode, mode, config, extra_args=extra).start())
+        storage_node_target = f"127.0.0.1:{ports['sn']}"
+        prometheus = PrometheusServer(
+            root / "prometheus",
+            jobs={
+                STORAGE_NODE_JOB: [storage_node_target],
+                "moorage-csi-controller": [f"127.0.0.1:{ports['controller']}"],
+                "moorage-csi-node": [f"127.0.0.1:{ports['node']}"],
+            },
+            rule_files=[fast_rules(root / "rules.yaml")],
+        ).start()
+        yield Monitored(node, plugins[0], plugins[1], prometheus, storage_node_target)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        for plugin in plugins:
+            plugin.stop()
+        node.teardown()
+
+
+def scraped(m: Monitored, job: str, times: int) -> bool:
+    """Prometheus has scraped every target of ``job`` successfully ``times`` times."""
+    result = m.prometheus.query(f'sum_over_time(up{{job="{job}"}}[1m])')
+    return bool(result) and all(float(r["value"][1]) >= times for r in result)
+
+
+def test_the_test_rules_differ_from_the_charts_only_in_their_for(tmp_path: Path) -> None:
+    fast = yaml.safe_load(fast_rules(tmp_path / "rules.yaml").read_text())
+    source = yaml.safe_load(RULES.read_text())
+    for group in (fast, source):
+        for rule in group["groups"][0]["rules"]:
+            rule.pop("for", None)
+    assert fast == source
+
+
+def test_storage_node_down_fires_when_it_stops_and_resolves_when_it_is_back(
+    monitored: Monitored,
+) -> None:
+    m = monitored
+    # up for longer than the alert's for (2 s here), and no alert
+    for job in (STORAGE_NODE_JOB, "moorage-csi-controller", "moorage-csi-node"):
+        m.prometheus.wait(f"{job} scraped", lambda j=job: scraped(m, j, 5), ALERT_WAIT)  # type: ignore[misc]
+    assert m.alerts("MoorageStorageNodeDown") == []
+    assert m.alerts("MoorageStorageNodeUnavailable") == []
+    assert m.node.stop() == 0
+    try:
+        m.prometheus.wait(
+            "MoorageStorageNodeDown firing",
+            lambda: bool(m.firing("MoorageStorageNodeDown")),
+            ALERT_WAIT,
+        )
+        [down] = m.firing("MoorageStorageNodeDown")
+        assert down["instance"] == m.storage_node_target
+        assert down["job"] == STORAGE_NODE_JOB
+        assert down["severity"] == "critical"
+        # the controller's health check says the same of the node it knows as sn-a
+        m.prometheus.wait(
+            "MoorageStorageNodeUnavailable firing",
+            lambda: bool(m.firing("MoorageStorageNodeUnavailable")),
+            ALERT_WAIT,
+        )
+        [unavailable] = m.firing("MoorageStorageNodeUnavailable")
+        assert unavailable["storage_node"] == "sn-a"
+        assert unavailable["job"] == "moorage-csi-controller"
+        # the plugins themselves are still scraped: no alert about them
+        assert m.alerts("MoorageCsiPluginDown") == []
+    finally:
+        m.node.start()
+    for name in ("MoorageStorageNodeDown", "MoorageStorageNodeUnavailable"):
+        m.prometheus.wait(f"{name} resolved", lambda n=name: not m.alerts(n), ALERT_WAIT)  # type: ignore[misc]
+    assert m.prometheus.query(f'up{{job="{STORAGE_NODE_JOB}"}}')[0]["value"][1] == "1"
+
+
+def make_traffic(m: Monitored) -> None:
+    """NBD reads and writes on the storage node, and CSI calls on both plugins."""
+    with m.node.client() as c:
+        v = c.create_volume(
+            bpb.CreateVolumeRequest(
+                name=f"traffic-{uuid.uuid4().hex[:8]}", type=bpb.NBD, size_bytes=16 << 20
+            )
+        )
+        target = c.publish(v.id, "node-a", "127.0.0.1").nbd
+    uri = f"nbd://127.0.0.1:{target.port}/{target.export_name}"
+    subprocess.run(
+        ["qemu-io", "-f", "raw", "-c", "write -P 0x5a 0 4M", "-c", "read 0 4M", uri],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    with grpc.insecure_channel(m.controller.endpoint) as ch:
+        stub = pb_grpc.ControllerStub(ch)  # type: ignore[no-untyped-call]
+        stub.ListVolumes(pb.ListVolumesRequest(), timeout=60)
+        stub.ControllerGetCapabilities(pb.ControllerGetCapabilitiesRequest(), timeout=60)
+    with grpc.insecure_channel(m.node_plugin.endpoint) as ch:
+        node = pb_grpc.NodeStub(ch)  # type: ignore[no-untyped-call]
+        node.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=60)
+        node.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest(), timeout=60)
+
+
+def numbers(result: list[dict[str, Any]]) -> list[float]:
+    return [v for v in (float(r["value"][1]) for r in result) if math.isfinite(v)]
+
+
+def test_every_dashboard_query_returns_data(monitored: Monitored) -> None:
+    m = monitored
+    make_traffic(m)
+    for title, expr in dashboard_queries():
+        promql = as_prometheus_reads_it(expr)
+        m.prometheus.wait(
+            f"dashboard panel {title!r}: {promql}",
+            lambda q=promql: bool(numbers(m.prometheus.query(q))),  # type: ignore[misc]
+            ALERT_WAIT,
+        )
+    # and the traffic shows where it should: bytes read and written per storage node
+    throughput = "sum by (instance) (rate(moorage_nbd_written_bytes_total[5m]))"
+    assert numbers(m.prometheus.query(throughput))[0] > 0
+
+
+def test_every_metric_the_alerts_read_is_one_the_components_export(monitored: Monitored) -> None:
+    m = monitored
+    names = set().union(*(metric_names(rule["expr"]) for rule in alert_rules()))
+    assert {"up", "moorage_capacity_bytes", "csi_plugin_operations_seconds_count"} <= names
+    for job in (STORAGE_NODE_JOB, "moorage-csi-controller", "moorage-csi-node"):
+        m.prometheus.wait(f"{job} scraped", lambda j=job: scraped(m, j, 2), ALERT_WAIT)  # type: ignore[misc]
+    missing = [n for n in sorted(names) if not m.prometheus.query(f"count({n})")]
+    assert not missing, f"the alerts read metrics nothing exports: {missing}"
