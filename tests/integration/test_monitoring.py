@@ -6,12 +6,16 @@ The rules Prometheus loads are the chart's file with every ``for`` read in
 seconds instead of minutes (2m: 2s), and nothing else changed, so an alert
 that waits minutes in a cluster fires in seconds here.  The storage node
 stopped, "storage node down" fires, as Prometheus sees it and as the
-controller's health check sees it; started again, both resolve.  Every
-dashboard query returns a number once the node has served NBD and CSI calls.
+controller's health check sees it; started again, both resolve.  A volume
+staged on the node plugin whose mount goes away behind its back is reported
+abnormal to kubelet's NodeGetVolumeStats, and "volumes abnormal" fires until
+it is unstaged.  Every dashboard query returns a number once the node has
+served NBD and CSI calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import subprocess
@@ -30,7 +34,7 @@ from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import free_port
-from tests.csi_plugin import CsiPlugin, write_config
+from tests.csi_plugin import CsiPlugin, Kubelet, write_config
 from tests.prometheus_server import (
     RULES,
     PrometheusServer,
@@ -173,6 +177,85 @@ def test_storage_node_down_fires_when_it_stops_and_resolves_when_it_is_back(
     for name in ("MoorageStorageNodeDown", "MoorageStorageNodeUnavailable"):
         m.prometheus.wait(f"{name} resolved", lambda n=name: not m.alerts(n), ALERT_WAIT)  # type: ignore[misc]
     assert m.prometheus.query(f'up{{job="{STORAGE_NODE_JOB}"}}')[0]["value"][1] == "1"
+
+
+def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
+    monitored: Monitored,
+) -> None:
+    m = monitored
+    cap = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(fs_type="ext4"),
+        access_mode=pb.VolumeCapability.AccessMode(
+            mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+        ),
+    )
+    with (
+        grpc.insecure_channel(m.controller.endpoint) as cch,
+        grpc.insecure_channel(m.node_plugin.endpoint) as nch,
+    ):
+        controller = pb_grpc.ControllerStub(cch)  # type: ignore[no-untyped-call]
+        node = pb_grpc.NodeStub(nch)  # type: ignore[no-untyped-call]
+        node_id = node.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=60).node_id
+        vol = controller.CreateVolume(
+            pb.CreateVolumeRequest(
+                name=f"pvc-{uuid.uuid4()}",
+                capacity_range=pb.CapacityRange(required_bytes=64 << 20),
+                volume_capabilities=[cap],
+                parameters={"type": "nbd"},
+            ),
+            timeout=120,
+        ).volume
+        handle = vol.volume_id
+        staging = Kubelet(m.node_plugin.root / "kubelet").global_mount(handle)
+        stats = pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(staging))
+        try:
+            ctx = controller.ControllerPublishVolume(
+                pb.ControllerPublishVolumeRequest(
+                    volume_id=handle, node_id=node_id, volume_capability=cap
+                ),
+                timeout=120,
+            ).publish_context
+            staging.mkdir(parents=True, exist_ok=True)
+            node.NodeStageVolume(
+                pb.NodeStageVolumeRequest(
+                    volume_id=handle,
+                    publish_context=ctx,
+                    staging_target_path=str(staging),
+                    volume_capability=cap,
+                    volume_context=vol.volume_context,
+                ),
+                timeout=120,
+            )
+            assert not node.NodeGetVolumeStats(stats, timeout=60).volume_condition.abnormal
+            # its mount gone (an operator, a reboot): abnormal, as kubelet next asks
+            subprocess.run(["umount", str(staging)], check=True, capture_output=True, timeout=60)
+            condition = node.NodeGetVolumeStats(stats, timeout=60).volume_condition
+            assert condition.abnormal, condition.message
+            m.prometheus.wait(
+                "MoorageVolumesAbnormal firing",
+                lambda: bool(m.firing("MoorageVolumesAbnormal")),
+                ALERT_WAIT,
+            )
+            [abnormal] = m.firing("MoorageVolumesAbnormal")
+            assert abnormal["job"] == "moorage-csi-node"
+        finally:
+            with contextlib.suppress(grpc.RpcError):
+                node.NodeUnstageVolume(
+                    pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
+                    timeout=120,
+                )
+            with contextlib.suppress(grpc.RpcError):
+                controller.ControllerUnpublishVolume(
+                    pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=node_id),
+                    timeout=120,
+                )
+            controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle), timeout=120)
+    # unstaged: no longer counted, and the alert resolves
+    m.prometheus.wait(
+        "MoorageVolumesAbnormal resolved",
+        lambda: not m.alerts("MoorageVolumesAbnormal"),
+        ALERT_WAIT,
+    )
 
 
 def make_traffic(m: Monitored) -> None:
