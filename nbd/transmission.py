@@ -285,6 +285,9 @@ class Transmission:
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
+            # its time counts from here: a limited export's wait for its
+            # IOPS or bandwidth limit is part of what its client sees
+            started = monotonic_ns()
             stats = self.stats
             stats.requests += 1
             if req.type == Command.READ:
@@ -298,12 +301,14 @@ class Transmission:
             cost = 0
             if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:
                 cost = await self._budget.take(req.length)
-            if not await self._serve_one(req, cost, nursery):
+            if not await self._serve_one(req, cost, nursery, started):
                 return
 
-    async def _serve_one(self, req: Request, cost: int, nursery: trio.Nursery) -> bool:
-        """Take a request's payload and serve it, inline or in a task; False: stop reading."""
-        started = monotonic_ns()
+    async def _serve_one(
+        self, req: Request, cost: int, nursery: trio.Nursery, started: int
+    ) -> bool:
+        """Take a request's payload and serve it, inline or in a task; False: stop
+        reading.  ``started``: when its header was read (monotonic_ns)."""
         handed_off = False
         payload: DataBuffer | None = None
         try:
