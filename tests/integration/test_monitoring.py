@@ -305,9 +305,22 @@ def test_every_dashboard_query_returns_data(monitored: Monitored) -> None:
 
 def test_every_metric_the_alerts_read_is_one_the_components_export(monitored: Monitored) -> None:
     m = monitored
+    # moorage_volumes has a series per type and state of the volumes there are
+    with m.node.client() as c:
+        c.create_volume(
+            bpb.CreateVolumeRequest(
+                name=f"exists-{uuid.uuid4().hex[:8]}", type=bpb.NBD, size_bytes=16 << 20
+            )
+        )
     names = set().union(*(metric_names(rule["expr"]) for rule in alert_rules()))
     assert {"up", "moorage_capacity_bytes", "csi_plugin_operations_seconds_count"} <= names
     for job in (STORAGE_NODE_JOB, "moorage-csi-controller", "moorage-csi-node"):
         m.prometheus.wait(f"{job} scraped", lambda j=job: scraped(m, j, 2), ALERT_WAIT)  # type: ignore[misc]
-    missing = [n for n in sorted(names) if not m.prometheus.query(f"count({n})")]
-    assert not missing, f"the alerts read metrics nothing exports: {missing}"
+
+    def missing() -> list[str]:
+        return [n for n in sorted(names) if not m.prometheus.query(f"count({n})")]
+
+    try:
+        m.prometheus.wait("every metric the alerts read", lambda: not missing(), ALERT_WAIT)
+    except AssertionError:
+        raise AssertionError(f"the alerts read metrics nothing exports: {missing()}") from None
