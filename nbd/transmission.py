@@ -279,15 +279,16 @@ class Transmission:
                 log.warning("%s: %s; closing connection", self.label, e)
                 return
             self.requests += 1
-            if self.requests - last_yield >= YIELD_EVERY:
-                last_yield = self.requests
-                await trio.lowlevel.checkpoint()
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
-            # its time counts from here: a limited export's wait for its
-            # IOPS or bandwidth limit is part of what its client sees
+            # its time counts from here, its header parsed, as a batch's does
+            # (_serve_batch): the yield below and a limited export's wait for
+            # its IOPS or bandwidth limit are part of what its client sees
             started = monotonic_ns()
+            if self.requests - last_yield >= YIELD_EVERY:
+                last_yield = self.requests
+                await trio.lowlevel.checkpoint()
             stats = self.stats
             stats.requests += 1
             if req.type == Command.READ:
@@ -372,9 +373,7 @@ class Transmission:
         may_write = not self.s.export.read_only
         if self.throttle is not None and not self.throttle.unlimited:
             return 0, 0
-        # every request of the batch was in the buffer from here, and its reply
-        # is queued with the others' at the end
-        started = monotonic_ns()
+        started = 0  # read once the first request is parsed and qualifies
         unpack = codec.REQUEST.unpack_from
         image.begin_inline()
         used = served = read = written = need = 0
@@ -388,10 +387,18 @@ class Transmission:
                 or offset + length > size
             ):
                 break
+            # The batch's time counts from its first request's header parsed and
+            # found servable here, as a request served alone counts from its
+            # header parsed; every request of the batch was in the buffer by
+            # then, and its reply is queued with the others' at the end.  A
+            # batch that serves nothing (the usual case before a request served
+            # alone) reads no clock.
             if type_ == _READ:
                 head = 28 if structured else 16
                 if used + head + length > room:
                     break
+                if not served:
+                    started = monotonic_ns()
                 try:
                     got = image.read_nowait(oview[used + head : used + head + length], offset)
                 except OSError:
@@ -414,6 +421,8 @@ class Transmission:
                     break
                 if used + 16 > room:
                     break
+                if not served:
+                    started = monotonic_ns()
                 try:
                     if not image.write_inline(rview[pos + 28 : pos + 28 + length], offset):
                         break

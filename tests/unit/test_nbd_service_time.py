@@ -4,7 +4,9 @@ reading its header to queueing its reply, whichever way it is served.
 A real image and a socketpair; the clock the transmission reads is one that
 moves a fixed step each time it is read, so what is counted is known exactly
 without timing anything: a path that reads it once at the start and once at
-the end adds one step per request.
+the end adds one step per request.  The reads are counted too: two per batch
+or per request served alone, none for a batch that serves nothing (the hot
+path pays for no clock it does not use).
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ SIZE = 1 << 20
 STEP = 1000  # nanoseconds the fake clock moves each time it is read
 
 
-@pytest.fixture(autouse=True)
-def stepping_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The fake clock's time, in a list: over STEP, how many times it was read."""
     now = [0]
 
-    def clock() -> int:
+    def read() -> int:
         now[0] += STEP
         return now[0]
 
-    monkeypatch.setattr(transmission, "monotonic_ns", clock)
-    yield
+    monkeypatch.setattr(transmission, "monotonic_ns", read)
+    yield now
 
 
 async def _exact(sock: trio.socket.SocketType, n: int) -> bytes:
@@ -57,7 +60,9 @@ async def _reply(sock: trio.socket.SocketType, read_length: int = 0) -> tuple[in
     return cookie, error
 
 
-async def test_each_request_counts_the_time_from_its_header_to_its_reply(tmp_path: Path) -> None:
+async def test_each_request_counts_the_time_from_its_header_to_its_reply(
+    tmp_path: Path, clock: list[int]
+) -> None:
     path = tmp_path / "disk.img"
     path.write_bytes(bytes(SIZE))
     image = Image(path, read_only=False)
@@ -81,6 +86,7 @@ async def test_each_request_counts_the_time_from_its_header_to_its_reply(tmp_pat
             )
             assert sorted([await _reply(theirs, 512) for _ in range(3)]) == [(1, 0), (2, 0), (3, 0)]
             assert (stats.requests, stats.service_ns) == (3, 3 * STEP)
+            assert clock[0] == 2 * STEP, "one batch: two clock reads"
             # a FUA write goes to a worker thread: one step, counted when it ends
             fua = codec.encode_request(Command.WRITE, 4, 0, 4096, CommandFlag.FUA)
             await theirs.send(fua + bytes(4096))
@@ -93,3 +99,6 @@ async def test_each_request_counts_the_time_from_its_header_to_its_reply(tmp_pat
     theirs.close()
     assert (stats.requests, stats.errors) == (5, 1)
     assert stats.service_ns == 5 * STEP
+    # the write, the refused read and the disconnect each went past a batch
+    # that served nothing: that batch read no clock, and the disconnect none
+    assert clock[0] == 6 * STEP, "two reads per batch or request served alone, no others"
