@@ -73,6 +73,18 @@ def as_prometheus_reads_it(expr: str) -> str:
     return expr
 
 
+def fast_rules(path: Path) -> Path:
+    """The chart's rules with each ``for`` in seconds rather than minutes, at ``path``
+    (for the integration test's Prometheus, so that an alert fires in seconds)."""
+    doc = yaml.safe_load(RULES.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = f"{max(1, seconds(rule['for']) // 60)}s"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 @dataclass
 class PrometheusServer:
     """``prometheus`` on 127.0.0.1, scraping file_sd targets by job, with rules."""
@@ -120,6 +132,16 @@ class PrometheusServer:
         ]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.root)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            # the caller never gets the server to stop: it is stopped here
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -127,8 +149,8 @@ class PrometheusServer:
             try:
                 with urllib.request.urlopen(self.url("/-/ready"), timeout=2) as r:
                     if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError):
+                        return
+            except OSError:  # not listening yet, an error status, a read timed out
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"prometheus not ready after {timeout}s:\n{self.log_tail()}")

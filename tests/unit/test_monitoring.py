@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from tests.prometheus_server import (
     ALERT_TESTS,
     DASHBOARD,
     RULES,
+    PrometheusServer,
     alert_rules,
     as_prometheus_reads_it,
     dashboard_queries,
+    fast_rules,
     run_promtool,
     seconds,
 )
@@ -59,6 +62,18 @@ def test_every_alert_fires_and_resolves_in_the_promtool_tests() -> None:
 def test_the_promtool_tests_read_the_rules_the_chart_ships() -> None:
     tests = yaml.safe_load(ALERT_TESTS.read_text())
     assert [(ALERT_TESTS.parent / f).resolve() for f in tests["rule_files"]] == [RULES.resolve()]
+
+
+def test_the_integration_tests_rules_differ_from_the_charts_only_in_their_for(
+    tmp_path: Path,
+) -> None:
+    fast = yaml.safe_load(fast_rules(tmp_path / "rules.yaml").read_text())
+    source = yaml.safe_load(RULES.read_text())
+    fors = []
+    for doc in (fast, source):
+        fors.append([r.pop("for", None) for g in doc["groups"] for r in g["rules"]])
+    assert fast == source  # every group, every rule, with its for taken out
+    assert [f and f"{max(1, seconds(f) // 60)}s" for f in fors[1]] == fors[0]
 
 
 def _cases() -> dict[str, list[tuple[int, int, bool]]]:
@@ -242,3 +257,38 @@ def test_helm_lint_passes_with_monitoring_on(tmp_path: Path) -> None:
         "lint", str(CHART), "--kube-version", KUBE_VERSION, "--values", str(tmp_path / "v.yaml")
     )
     assert "0 chart(s) failed" in out, out
+
+
+# ------------------------------------------ the integration test's Prometheus
+
+# A stand-in for ``prometheus`` that never becomes ready: it does not listen
+# (refused), or it listens and never answers (each poll's read times out).
+_NEVER_READY = """
+import socket, sys, time
+if sys.argv[1] == "silent":
+    addr = next(a for a in sys.argv if a.startswith("--web.listen-address="))
+    host, port = addr.split("=", 1)[1].rsplit(":", 1)
+    s = socket.socket()
+    s.bind((host, int(port)))
+    s.listen()
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("mode", ["refused", "silent"])
+def test_a_prometheus_that_never_gets_ready_is_stopped_by_start(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stub = tmp_path / "prometheus"
+    stub.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'stub.py'} {mode} \"$@\"\n")
+    stub.chmod(0o755)
+    (tmp_path / "stub.py").write_text(_NEVER_READY)
+    monkeypatch.setenv("MOORAGE_PROMETHEUS", str(stub))
+    server = PrometheusServer(tmp_path / "p", jobs={})
+    try:
+        with pytest.raises(TimeoutError, match="not ready"):
+            server.start(timeout=3)  # a silent one's poll times out after 2 s
+        assert server.proc is not None
+        assert server.proc.poll() is not None, "start() raised and left prometheus running"
+    finally:
+        server.stop()
