@@ -55,6 +55,32 @@ packages=(
 # Prometheus on loopback, docs/monitoring.md).  Installed on their own, below.
 quiet_packages=(prometheus)
 
+# While a quiet package installs, /usr/sbin/policy-rc.d is one of ours (its
+# marker line tells it apart) and the host's own, if any, waits under a fixed
+# name beside it.  A run killed in the middle (SIGKILL, OOM, power loss) leaves
+# both, and ours forbids every service start on the host: every run puts them
+# right first, before it decides whether it has anything to install.
+policy=/usr/sbin/policy-rc.d
+policy_kept=$policy.install-deps-orig
+policy_new=$policy.install-deps-new
+policy_marker='# install-deps.sh: no service starts while it installs a package whose service must not run'
+present() { [ -e "$1" ] || [ -L "$1" ]; }
+policy_is_ours() { [ -f "$policy" ] && [ ! -L "$policy" ] && grep -qxF "$policy_marker" "$policy"; }
+restore_policy() {
+    rm -f "$policy_new"
+    if present "$policy"; then
+        if ! policy_is_ours; then
+            if present "$policy_kept"; then
+                echo "install-deps: warning: $policy is not install-deps.sh's, so $policy_kept (the one an earlier run put aside) is left for you to put back" >&2
+            fi
+            return 0
+        fi
+        rm -f "$policy"
+    fi
+    if present "$policy_kept"; then mv -T "$policy_kept" "$policy"; fi
+}
+restore_policy
+
 missing=()
 quiet_missing=()
 for p in "${packages[@]}" "${quiet_packages[@]}"; do
@@ -78,31 +104,33 @@ fi
 # The quiet packages' maintainer scripts start their service through
 # invoke-rc.d or deb-systemd-invoke, both of which ask /usr/sbin/policy-rc.d
 # first: one that answers 101 (action forbidden) for the length of their
-# install keeps the service from ever starting.  A policy-rc.d the host had
-# is put back as it was.
+# install keeps the service from ever starting.  The host's own policy-rc.d is
+# moved aside (a symlink stays a symlink, and what it points to is never
+# written) and put back as it was, by the trap when the install fails, or by
+# the next run when this one is killed.
 if [ ${#quiet_missing[@]} -gt 0 ]; then
-    policy=/usr/sbin/policy-rc.d
-    kept=""
-    if [ -e "$policy" ]; then
-        kept=$(mktemp "$policy.install-deps.XXXXXX")
-        cp -p "$policy" "$kept"
+    if present "$policy_kept"; then
+        die "$policy_kept is in the way (an earlier run's copy of the host's $policy, not put back because $policy changed since): put it back or remove it"
     fi
-    restore_policy() {
-        if [ -n "$kept" ]; then mv -f "$kept" "$policy"; else rm -f "$policy"; fi
-    }
     trap restore_policy EXIT
-    printf '#!/bin/sh\n# install-deps.sh: no service starts while it installs %s\nexit 101\n' \
-        "${quiet_missing[*]}" > "$policy"
-    chmod 0755 "$policy"
+    if present "$policy"; then mv -T "$policy" "$policy_kept"; fi
+    printf '#!/bin/sh\n%s\nexit 101\n' "$policy_marker" > "$policy_new"
+    chmod 0755 "$policy_new"
+    mv -T "$policy_new" "$policy"
     apt-get install -y -qq --no-install-recommends "${quiet_missing[@]}"
     restore_policy
     trap - EXIT
-    # and none starts at boot either
+    # and none starts at boot either; a failure to disable it is reported, as
+    # the service would start at the next boot
     for p in "${quiet_missing[@]}"; do
         if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-            systemctl disable "$p.service" >/dev/null 2>&1 || true
+            if ! out=$(systemctl disable "$p.service" 2>&1); then
+                echo "install-deps: warning: systemctl disable $p.service failed, so it starts at the next boot: $out" >&2
+            fi
         elif [ -x "/etc/init.d/$p" ]; then
-            update-rc.d "$p" disable >/dev/null 2>&1 || true
+            if ! out=$(update-rc.d "$p" disable 2>&1); then
+                echo "install-deps: warning: update-rc.d $p disable failed, so it starts at the next boot: $out" >&2
+            fi
         fi
     done
 fi
