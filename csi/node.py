@@ -463,6 +463,8 @@ class NodeService(pb_grpc.NodeServicer):
                 return pb.NodeUnpublishVolumeResponse()
             stage.unmount(target)
             stage.remove_path(target)
+            # kubelet asks no more about this path: its last condition goes too
+            self.conditions.forget(volume_id, request.target_path)
             if ephemeral:
                 self._unpublish_ephemeral(record)
             elif record.published.pop(str(target), None) is not None:
@@ -522,7 +524,9 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.ServicerContext
     ) -> pb.NodeGetVolumeStatsResponse:
         response = self._volume_stats(request)
-        self.conditions.record(request.volume_id, response.volume_condition.abnormal)
+        self.conditions.record(
+            request.volume_id, request.volume_path, response.volume_condition.abnormal
+        )
         return response
 
     def _volume_stats(self, request: pb.NodeGetVolumeStatsRequest) -> pb.NodeGetVolumeStatsResponse:

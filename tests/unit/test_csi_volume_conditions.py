@@ -65,11 +65,28 @@ def test_a_volume_reported_normal_again_is_no_longer_counted(tmp_path: Path) -> 
     staged = {"sn-a:vol-1", "sn-a:vol-2"}
     registry = CollectorRegistry()
     registry.register(VolumeConditionsCollector(conditions, staged.__contains__))
-    conditions.record("sn-a:vol-1", True)
-    conditions.record("sn-a:vol-2", True)
+    conditions.record("sn-a:vol-1", "/pods/a/vol", True)
+    conditions.record("sn-a:vol-2", "/pods/b/vol", True)
     assert abnormal_count(registry) == 2
-    conditions.record("sn-a:vol-1", False)
+    conditions.record("sn-a:vol-1", "/pods/a/vol", False)
     assert abnormal_count(registry) == 1
+
+
+def test_a_volume_with_one_broken_publication_of_two_stays_counted(tmp_path: Path) -> None:
+    # kubelet asks per path, in turn; the count must not follow the last answer
+    conditions = VolumeConditions()
+    registry = CollectorRegistry()
+    registry.register(VolumeConditionsCollector(conditions, lambda _: True))
+    for _ in range(2):
+        conditions.record("sn-a:vol-1", "/pods/a/vol", True)
+        assert abnormal_count(registry) == 1
+        conditions.record("sn-a:vol-1", "/pods/b/vol", False)
+        assert abnormal_count(registry) == 1, "one broken publication: the volume is abnormal"
+    # the broken one unpublished: kubelet asks no more about it, and it is forgotten
+    conditions.forget("sn-a:vol-1", "/pods/a/vol")
+    assert abnormal_count(registry) == 0
+    conditions.forget("sn-a:vol-1", "/pods/b/vol")
+    assert not conditions._abnormal
 
 
 def test_a_refused_stats_call_records_nothing(node: NodeService) -> None:
