@@ -280,7 +280,7 @@ def test_a_prometheus_that_never_gets_ready_is_stopped_by_start(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stub = tmp_path / "prometheus"
-    stub.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'stub.py'} {mode} \"$@\"\n")
+    stub.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "stub.py"} {mode} "$@"\n')
     stub.chmod(0o755)
     (tmp_path / "stub.py").write_text(_NEVER_READY)
     monkeypatch.setenv("MOORAGE_PROMETHEUS", str(stub))
