@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +36,7 @@ from csi.proto import csi_pb2_grpc as pb_grpc
 from tests.backend_node import BackendNode, make_node
 from tests.conftest import free_port
 from tests.csi_plugin import CsiPlugin, Kubelet, write_config
+from tests.fuse_block_stack import fuse_processes, leftovers
 from tests.prometheus_server import (
     PrometheusServer,
     alert_rules,
@@ -112,6 +116,29 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
         for plugin in plugins:
             plugin.stop()
         node.teardown()
+        # a test that failed to unstage leaves its mount, loop device and FUSE
+        # process: taken down here, and then a failure
+        left = leftovers(root)
+        if left:
+            take_down(root)
+        assert not left, "left behind:\n" + "\n".join(left)
+
+
+def take_down(root: Path) -> None:
+    """Unmount, detach and kill whatever of this module is left under ``root``."""
+    marker = str(root)
+    with open("/proc/mounts") as mounts:
+        targets = [line.split()[1] for line in mounts if marker in line]
+    for target in reversed(targets):
+        subprocess.run(["umount", "-l", target], capture_output=True, timeout=60)
+    for line in fuse_processes(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    for line in subprocess.run(
+        ["losetup", "-a"], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines():
+        if marker in line:
+            subprocess.run(["losetup", "-d", line.split(":")[0]], capture_output=True, timeout=60)
 
 
 def scraped(m: Monitored, job: str, times: int) -> bool:
@@ -218,17 +245,21 @@ def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
             [abnormal] = m.firing("MoorageVolumesAbnormal")
             assert abnormal["job"] == "moorage-csi-node"
         finally:
-            with contextlib.suppress(grpc.RpcError):
+            unstaged: grpc.RpcError | None = None
+            try:
                 node.NodeUnstageVolume(
                     pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
                     timeout=120,
                 )
+            except grpc.RpcError as e:  # the fixture takes down what it left
+                unstaged = e
             with contextlib.suppress(grpc.RpcError):
                 controller.ControllerUnpublishVolume(
                     pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=node_id),
                     timeout=120,
                 )
             controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle), timeout=120)
+            assert unstaged is None, f"NodeUnstageVolume failed: {unstaged}"
     # unstaged: no longer counted, and the alert resolves
     m.prometheus.wait(
         "MoorageVolumesAbnormal resolved",
