@@ -7,9 +7,11 @@ seconds instead of minutes (2m: 2s), and nothing else changed, so an alert
 that waits minutes in a cluster fires in seconds here.  The storage node
 stopped, "storage node down" fires, as Prometheus sees it and as the
 controller's health check sees it; started again, both resolve.  A volume
-staged on the node plugin whose mount goes away behind its back is reported
-abnormal to kubelet's NodeGetVolumeStats, and "volumes abnormal" fires until
-it is unstaged.  Every dashboard query returns a number once the node has
+published to two pods on the node plugin, one of whose mounts goes away
+behind its back, is reported abnormal at that path to kubelet's
+NodeGetVolumeStats and normal at the other, is counted abnormal however the
+calls alternate, and "volumes abnormal" fires until that path is
+unpublished.  Every dashboard query returns a number once the node has
 served NBD and CSI calls.
 """
 
@@ -44,6 +46,7 @@ from tests.prometheus_server import (
     dashboard_queries,
     fast_rules,
 )
+from tests.prometheus_text import scrape, value
 
 STORAGE_NODE_JOB = "moorage-storage-node"
 # Prometheus' rules on its 1 s evaluations: an alert firing, or resolved, shows
@@ -74,12 +77,17 @@ class Monitored:
     node_plugin: CsiPlugin
     prometheus: PrometheusServer
     storage_node_target: str
+    node_metrics_port: int
 
     def alerts(self, name: str) -> list[dict[str, Any]]:
         return self.prometheus.alerts(name)
 
     def firing(self, name: str) -> list[dict[str, str]]:
         return [a["labels"] for a in self.alerts(name) if a["state"] == "firing"]
+
+    def volumes_abnormal(self) -> float:
+        """The node plugin's moorage_csi_volumes_abnormal, scraped now."""
+        return value(scrape(self.node_metrics_port), "moorage_csi_volumes_abnormal")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,9 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
         )
         # held before it starts, so that the finally stops it whatever start() raises
         prometheus.start()
-        yield Monitored(node, plugins[0], plugins[1], prometheus, storage_node_target)
+        yield Monitored(
+            node, plugins[0], plugins[1], prometheus, storage_node_target, ports["node"]
+        )
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -185,16 +195,17 @@ def test_storage_node_down_fires_when_it_stops_and_resolves_when_it_is_back(
     assert m.prometheus.query(f'up{{job="{STORAGE_NODE_JOB}"}}')[0]["value"][1] == "1"
 
 
-def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
+def test_a_volume_abnormal_at_one_of_its_paths_fires_volumes_abnormal_until_unpublished(
     monitored: Monitored,
 ) -> None:
     m = monitored
     cap = pb.VolumeCapability(
         mount=pb.VolumeCapability.MountVolume(fs_type="ext4"),
         access_mode=pb.VolumeCapability.AccessMode(
-            mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+            mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_MULTI_WRITER
         ),
     )
+    kubelet = Kubelet(m.node_plugin.root / "kubelet")
     with (
         grpc.insecure_channel(m.controller.endpoint) as cch,
         grpc.insecure_channel(m.node_plugin.endpoint) as nch,
@@ -212,8 +223,15 @@ def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
             timeout=120,
         ).volume
         handle = vol.volume_id
-        staging = Kubelet(m.node_plugin.root / "kubelet").global_mount(handle)
-        stats = pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(staging))
+        staging = kubelet.global_mount(handle)
+        # two pods on the node using the volume: kubelet asks about each path
+        pods = [kubelet.pod_target(pod, "pv-abnormal") for pod in ("pod-a", "pod-b")]
+
+        def abnormal_at(path: Path) -> bool:
+            request = pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(path))
+            condition = node.NodeGetVolumeStats(request, timeout=60).volume_condition
+            return bool(condition.abnormal)
+
         try:
             ctx = controller.ControllerPublishVolume(
                 pb.ControllerPublishVolumeRequest(
@@ -232,11 +250,28 @@ def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
                 ),
                 timeout=120,
             )
-            assert not node.NodeGetVolumeStats(stats, timeout=60).volume_condition.abnormal
-            # its mount gone (an operator, a reboot): abnormal, as kubelet next asks
-            subprocess.run(["umount", str(staging)], check=True, capture_output=True, timeout=60)
-            condition = node.NodeGetVolumeStats(stats, timeout=60).volume_condition
-            assert condition.abnormal, condition.message
+            for target in pods:
+                node.NodePublishVolume(
+                    pb.NodePublishVolumeRequest(
+                        volume_id=handle,
+                        publish_context=ctx,
+                        staging_target_path=str(staging),
+                        target_path=str(target),
+                        volume_capability=cap,
+                        volume_context=vol.volume_context,
+                    ),
+                    timeout=120,
+                )
+            assert not any(abnormal_at(p) for p in pods)
+            assert m.volumes_abnormal() == 0
+            # one pod's mount gone (an operator, a runtime bug), the other's fine:
+            # however kubelet's calls alternate, the volume counts as abnormal
+            subprocess.run(["umount", str(pods[0])], check=True, capture_output=True, timeout=60)
+            for _ in range(2):
+                assert abnormal_at(pods[0])
+                assert m.volumes_abnormal() == 1
+                assert not abnormal_at(pods[1])
+                assert m.volumes_abnormal() == 1, "abnormal at one path of two: still abnormal"
             m.prometheus.wait(
                 "MoorageVolumesAbnormal firing",
                 lambda: bool(m.firing("MoorageVolumesAbnormal")),
@@ -244,28 +279,45 @@ def test_a_volume_reported_abnormal_fires_volumes_abnormal_until_it_is_unstaged(
             )
             [abnormal] = m.firing("MoorageVolumesAbnormal")
             assert abnormal["job"] == "moorage-csi-node"
+            # the broken publication unpublished: kubelet asks no more about it,
+            # and it is forgotten while the volume stays staged and published
+            node.NodeUnpublishVolume(
+                pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(pods[0])),
+                timeout=120,
+            )
+            assert not abnormal_at(pods[1])
+            assert m.volumes_abnormal() == 0
+            m.prometheus.wait(
+                "MoorageVolumesAbnormal resolved",
+                lambda: not m.alerts("MoorageVolumesAbnormal"),
+                ALERT_WAIT,
+            )
         finally:
-            unstaged: grpc.RpcError | None = None
-            try:
-                node.NodeUnstageVolume(
+            failed: list[str] = []
+            for call, request in (
+                *(
+                    (
+                        node.NodeUnpublishVolume,
+                        pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target)),
+                    )
+                    for target in pods
+                ),
+                (
+                    node.NodeUnstageVolume,
                     pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
-                    timeout=120,
-                )
-            except grpc.RpcError as e:  # the fixture takes down what it left
-                unstaged = e
+                ),
+            ):
+                try:
+                    call(request, timeout=120)
+                except grpc.RpcError as e:  # the fixture takes down what it left
+                    failed.append(f"{type(request).__name__}: {e}")
             with contextlib.suppress(grpc.RpcError):
                 controller.ControllerUnpublishVolume(
                     pb.ControllerUnpublishVolumeRequest(volume_id=handle, node_id=node_id),
                     timeout=120,
                 )
             controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=handle), timeout=120)
-            assert unstaged is None, f"NodeUnstageVolume failed: {unstaged}"
-    # unstaged: no longer counted, and the alert resolves
-    m.prometheus.wait(
-        "MoorageVolumesAbnormal resolved",
-        lambda: not m.alerts("MoorageVolumesAbnormal"),
-        ALERT_WAIT,
-    )
+            assert not failed, failed
 
 
 def make_traffic(m: Monitored) -> None:
