@@ -8,7 +8,8 @@ whose mounts under kubelet's directory would not reach the host (before
 anything is made, so a restart never strands what it cannot reach); makes
 the node state directory, learns the host's attach paths and reconciles the
 node state with what exists; serves metrics, the CSI socket, ``/healthz``
-and kubelet's registration socket as asked, and starts the storage-node
+and kubelet's registration socket as asked (the metrics with the count of
+volumes last reported abnormal, node), and starts the storage-node
 health checks (controller) and the kernel nbd reconnect thread (node, on the
 kernel nbd path).  It logs ``csi plugin in MODE mode`` once every listener
 answers.  A start that fails undoes what it did and raises
@@ -32,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from csi import attach, mounts
 from csi.config import PluginConfig
@@ -47,6 +48,7 @@ from csi.registration import RegistrationService, serve_registration
 from csi.server import MODES, EndpointError, Mode, start_metrics, start_server
 from csi.storagenodehealth import CHECK_INTERVAL, StorageNodeHealth
 from csi.storagenodes import StorageNodes
+from csi.volumeconditions import VolumeConditionsCollector
 
 log = logging.getLogger("moorage.csi")
 
@@ -162,6 +164,8 @@ class Plugin:
                 raise StartError(str(e)) from None
         try:
             if config.metrics_address:
+                if self.node is not None:
+                    self._count_abnormal_volumes(running, self.node)
                 running.callback(start_metrics(config.metrics_address, self.registry))
             server = start_server(config.endpoint, self._add_services, self.registry)
             running.callback(server.stop, GRACE)
@@ -181,6 +185,12 @@ class Plugin:
                 running.callback(serve_registration(config.registration_dir, registration).stop)
         except (EndpointError, OSError) as e:
             raise StartError(str(e)) from None
+
+    def _count_abnormal_volumes(self, running: ExitStack, node: NodeService) -> None:
+        registry = REGISTRY if self.registry is None else self.registry
+        collector = VolumeConditionsCollector(node.conditions, node.state.has)
+        registry.register(collector)
+        running.callback(registry.unregister, collector)
 
     def _add_services(self, server: grpc.Server) -> None:
         services: list[tuple[Callable[..., None], object]] = [

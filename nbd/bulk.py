@@ -33,6 +33,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic_ns
 
 from nbd import codec
 from nbd.constants import MAX_PAYLOAD, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC, Command
@@ -76,6 +77,8 @@ class RunResult:
     read_bytes: int = 0
     written_bytes: int = 0
     errors: int = 0
+    # Each request's time from its header to its reply queued (``moorage_nbd_request_seconds``).
+    service_ns: int = 0
     # The first request after the run is not for a run (the loop serves it).
     declined: bool = False
     error: OSError | None = None
@@ -173,9 +176,11 @@ class BulkRun:
                 return
             type_, cookie, offset, length = req
             if type_ == _WRITE:
+                started = monotonic_ns()
                 t._start += _HEADER
                 result.requests += 1
                 self._write(cookie, offset, length, result)
+                result.service_ns += monotonic_ns() - started
             else:
                 self._reads(req, result)
             if len(self._replies) >= _REPLIES_MAX * 16:
@@ -274,10 +279,12 @@ class BulkRun:
         try:
             while True:
                 _, cookie, offset, length = req
+                started = monotonic_ns()
                 t._start += _HEADER
                 result.requests += 1
                 if self._read_one(cookie, offset, length, parts, bufs, result):
                     gathered += length
+                result.service_ns += monotonic_ns() - started
                 if (
                     gathered >= _GATHER
                     or t._end - t._start < _HEADER

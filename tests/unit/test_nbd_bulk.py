@@ -191,6 +191,7 @@ def test_a_run_serves_large_writes_and_reads_and_leaves_the_next_request(
     sender.join()
     assert (result.requests, result.declined, result.error) == (5, True, None)
     assert (result.written_bytes, result.read_bytes) == (3 * 256 * KiB, 2 * 256 * KiB)
+    assert result.service_ns > 0  # each request timed, for moorage_nbd_request_seconds
     # The small write is left to the event loop, whole and unread.
     t = r.transport
     t_buffered = bytes(t._rview[t._start : t._end])
@@ -482,6 +483,8 @@ async def test_a_sequential_copy_passes_the_event_loop_once_per_run(
     assert sum(r.requests for r in runs) == 16
     assert len([r for r in runs if r.requests]) <= 4
     assert tx.stats.written_bytes == 4 << 20
+    # The runs' service time reaches the export's counter (the FLUSH adds its own).
+    assert tx.stats.service_ns >= sum(r.service_ns for r in runs) > 0
 
 
 async def test_a_connection_closed_while_a_run_waits_ends_at_once(
