@@ -5,6 +5,7 @@ with real attachments, is tests/integration/test_csi_volume_limits.py's."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,14 @@ from csi.attach import limits
 from csi.config import ConfigError, NodeConfig, parse_config
 from csi.node import NodeService
 from csi.nodestate import NodeState, StagedVolume
+from csi.proto import csi_pb2 as pb
 from nbd import kernel as nbd_kernel
 
 KERNEL = attach.Plan("kernel-nbd", "faked", "kernel-nfs", "faked")
 FUSE = attach.Plan("fuse-loop", "faked", "fuse-nfs", "faked")
 NONE = attach.Plan(None, "faked", None, "faked")
+KERNEL_NFS_ONLY = attach.Plan(None, "faked", "kernel-nfs", "faked")
+FUSE_NFS_ONLY = attach.Plan(None, "faked", "fuse-nfs", "faked")
 MIB = 1 << 20
 
 
@@ -29,6 +33,7 @@ def sys_block(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setattr(nbd_kernel, "SYS_BLOCK", root)
     nbds_max = tmp_path / "nbds_max"
     monkeypatch.setattr(limits, "NBDS_MAX", nbds_max)
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: False)  # ioctl unless a test says
     return root
 
 
@@ -86,19 +91,56 @@ def test_a_device_with_a_size_but_no_connection_yet_is_not_free(sys_block: Path)
     assert attach.volume_limit(KERNEL, ours=0).free == 1
 
 
-def test_with_nbds_max_0_the_pool_is_the_module_default(sys_block: Path) -> None:
-    """Netlink makes a device per connect: the devices made so far are part of a
-    pool of 16, so the count does not fall when the first ones appear."""
-    limits.NBDS_MAX.write_text("0\n")
-    empty = attach.volume_limit(KERNEL, ours=0)
-    nbd(sys_block, 0, pid=10, size=8)  # ours, made on connect
-    nbd(sys_block, 1)  # made earlier, free again
-    one_held = attach.volume_limit(KERNEL, ours=1)
-    assert (empty.count, one_held.count) == (16, 16)
-    assert "nbds_max=0" in one_held.reason
-    for i in range(2, 20):
+def test_over_netlink_the_pool_is_a_policy_not_nbds_max(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A netlink connect without an index makes a device when none is unused,
+    whatever nbds_max is: the pool is max(present, nbds_max, 16), less the busy."""
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: True)
+    limits.NBDS_MAX.write_text("4\n")
+    for i in range(4):
         nbd(sys_block, i)
-    assert attach.volume_limit(KERNEL, ours=1).count == 1 + 19  # more than 16 exist
+    assert attach.volume_limit(KERNEL, ours=0).count == 16  # not 4
+    for i in range(4):
+        (sys_block / f"nbd{i}" / "pid").write_text("9\n")
+    limit = attach.volume_limit(KERNEL, ours=4)
+    assert (limit.count, limit.free) == (16, 12)
+    assert "netlink" in limit.reason
+    limits.NBDS_MAX.write_text("0\n")
+    nbd(sys_block, 4, pid=10, size=8)  # made on connect
+    assert attach.volume_limit(KERNEL, ours=5).count == 16
+    limits.NBDS_MAX.write_text("32\n")
+    assert attach.volume_limit(KERNEL, ours=5).count == 32
+    for i in range(5, 40):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=5).count == 40  # more than the policy exist
+
+
+def test_over_ioctl_only_the_devices_present_count(sys_block: Path) -> None:
+    """The ioctls attach existing devices only: nbds_max=0 adds no pool."""
+    limits.NBDS_MAX.write_text("0\n")
+    assert attach.volume_limit(KERNEL, ours=0).count == 1  # nothing to attach: the floor
+    nbd(sys_block, 0)
+    nbd(sys_block, 1, pid=3, size=8)
+    limit = attach.volume_limit(KERNEL, ours=1)
+    assert (limit.count, limit.free) == (2, 1)
+    assert "ioctl" in limit.reason
+
+
+def test_a_pid_check_that_fails_counts_the_device_busy(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nbd(sys_block, 0)
+    nbd(sys_block, 1)
+    real_exists = Path.exists
+
+    def exists(path: Path) -> bool:
+        if path == sys_block / "nbd1" / "pid":
+            raise OSError(errno.EIO, "I/O error")
+        return real_exists(path)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    assert limits.nbd_devices() == limits.NBDDevices(free=1, busy=1)
 
 
 def test_with_nothing_free_the_count_is_what_the_node_holds_and_never_0(sys_block: Path) -> None:
@@ -150,6 +192,20 @@ def test_unreadable_meminfo_leaves_only_what_the_node_holds(meminfo: Path) -> No
     assert "unreadable" in limit.reason
 
 
+def test_kernel_nfs_without_a_block_path_has_a_fixed_bound() -> None:
+    """NFS volumes need no block device: the node is not capped at what it holds."""
+    counts = [attach.volume_limit(KERNEL_NFS_ONLY, ours=n).count for n in (0, 1, 3)]
+    assert counts == [limits.MAX_FUSE_ATTACHMENTS] * 3
+    assert attach.volume_limit(KERNEL_NFS_ONLY, ours=2000).count == 2000
+
+
+def test_fuse_nfs_without_a_block_path_counts_the_memory_budget(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=1000, free_mib=200)
+    limit = attach.volume_limit(FUSE_NFS_ONLY, ours=3)
+    assert (limit.count, limit.free) == (3 + 1000 // 64, 1000 // 64)
+    assert "fuse-nfs" in limit.reason
+
+
 def test_no_block_path_counts_only_what_the_node_holds() -> None:
     assert attach.volume_limit(NONE, ours=0).count == 1
     assert attach.volume_limit(NONE, ours=4).count == 4
@@ -196,3 +252,29 @@ def test_the_configured_budget_reaches_the_count(meminfo: Path, tmp_path: Path) 
 def test_a_bad_budget_is_refused(value: object) -> None:
     with pytest.raises(ConfigError, match="fuse_attachment_mib"):
         parse_config({"node": {"fuse_attachment_mib": value}})
+
+
+def test_node_get_info_answers_when_counting_fails(
+    sys_block: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while counting must not fail NodeGetInfo (kubelet would
+    unregister the driver): the last good count, never 0."""
+    for i in range(4):
+        nbd(sys_block, i)
+    node = NodeService("node-a", "127.0.0.1", NodeConfig(), tmp_path / "state", plan=KERNEL)
+    node.state.create()
+    node.state.put(record("sn-a/v1"))
+    node.state.put(record("sn-a/v2"))
+
+    def broken() -> object:
+        raise OSError(errno.EIO, "I/O error")
+
+    request = pb.NodeGetInfoRequest()
+    with monkeypatch.context() as m:
+        m.setattr(node.state, "scan", broken)
+        first = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    assert first == 2  # nothing counted yet: what the records directory lists
+    good = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    monkeypatch.setattr(limits, "nbd_devices", broken)
+    after = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    assert (good, after) == (6, 6)
