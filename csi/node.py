@@ -98,6 +98,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.topology = {**config.topology, NODE_TOPOLOGY_KEY: name}
         self.io_timeout = config.io_timeout  # a StorageClass's ioTimeout overrides it
         self.fuse_attachment_bytes = config.fuse_attachment_mib << 20
+        self.nbd_devices = config.nbd_devices  # 0: csi.attach.limits' automatic pool
         self.paths = KubeletPaths(kubelet_dir)  # ValueError for a relative one
         self.state = NodeState(state_dir)
         self._plan = plan
@@ -182,7 +183,7 @@ class NodeService(pb_grpc.NodeServicer):
         every recorded volume but inline ephemeral ones, which the scheduler does
         not count (their devices or memory are in use, so not free either)."""
         ours = sum(1 for r in self.state.scan()[0] if not r.ephemeral)
-        limit = attach.volume_limit(self.plan, ours, self.fuse_attachment_bytes)
+        limit = attach.volume_limit(self.plan, ours, self.fuse_attachment_bytes, self.nbd_devices)
         log.debug("max_volumes_per_node %d: %d held, %s", limit.count, ours, limit.reason)
         return limit
 

@@ -15,10 +15,12 @@ records) plus what the node can still attach.  Per path:
     is unused the kernel makes a new one, whatever ``nbds_max`` is.  The
     kernel's own bound is the minor numbers (``MINORMASK >> part_shift``), far
     beyond what a node should take, so the pool is a policy:
-    ``max(devices present, nbds_max, NBD_POOL_DEFAULT)``, and what can still be
-    attached is the pool less the busy devices (anyone's).
+    ``node.nbd_devices`` when set, else ``max(devices present, nbds_max,
+    NBD_POOL_DEFAULT)``, and what can still be attached is the pool less the
+    busy devices (anyone's).
   - ioctl only (no netlink family): the plugin can use only the devices that
-    exist (``nbd.kernel`` picks a free one), so the pool is those.
+    exist (``nbd.kernel`` picks a free one), so the pool is those (at most
+    ``node.nbd_devices`` when set).
 
 - **fuse-loop**: each attachment is a FUSE process of its own, budgeted at
   ``attachment_bytes`` (64 MiB by default, ``node.fuse_attachment_mib``): what
@@ -143,23 +145,27 @@ def _memory_free(attachment_bytes: int) -> tuple[int, str]:
 
 
 def volume_limit(
-    plan: Plan, ours: int, attachment_bytes: int = FUSE_ATTACHMENT_BYTES
+    plan: Plan,
+    ours: int,
+    attachment_bytes: int = FUSE_ATTACHMENT_BYTES,
+    nbd_pool: int = 0,
 ) -> VolumeLimit:
     """This node's total (see the module docstring for the rules); ``ours``:
-    the volumes the plugin holds that Kubernetes counts (not inline ephemeral ones)."""
+    the volumes the plugin holds that Kubernetes counts (not inline ephemeral ones);
+    ``nbd_pool``: ``node.nbd_devices`` (0: the automatic rule)."""
     if plan.block == "kernel-nbd":
         devices = nbd_devices()
         present = devices.free + devices.busy
         if nbd_netlink():
-            pool = max(present, _nbds_max() or 0, NBD_POOL_DEFAULT)
-            free = pool - devices.busy
-            reason = (
-                f"netlink: a pool of {pool} nbd device(s) (made on connect as needed), "
-                f"{devices.busy} busy"
-            )
+            pool = nbd_pool or max(present, _nbds_max() or 0, NBD_POOL_DEFAULT)
+            reason = f"netlink: a pool of {pool} nbd device(s) (made on connect as needed)"
         else:
-            free = devices.free
-            reason = f"ioctl: {free} free nbd device(s), {devices.busy} busy"
+            pool = min(present, nbd_pool) if nbd_pool else present
+            reason = f"ioctl: a pool of the {pool} nbd device(s) present"
+        if nbd_pool:
+            reason += " (node.nbd_devices)"
+        free = max(0, pool - devices.busy)
+        reason += f", {devices.busy} busy"
         count = ours + free
     elif plan.block == "fuse-loop" or plan.nfs == "fuse-nfs":
         free, reason = _memory_free(attachment_bytes)

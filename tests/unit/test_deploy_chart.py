@@ -520,6 +520,31 @@ def test_a_fuse_attachment_budget_the_plugin_refuses_fails_the_render(
     assert "node.fuseAttachmentMiB must be a whole number of MiB" in result.stderr
 
 
+@pytest.mark.parametrize("devices", [None, 0, 64, 65536])
+def test_the_nbd_pool_reaches_the_plugins_configuration(
+    devices: int | None, tmp_path: Path
+) -> None:
+    from csi.config import parse_config
+
+    values = None if devices is None else {"node": {"nbdDevices": devices}}
+    config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
+    config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
+    assert config.node.nbd_devices == (devices or 0)
+
+
+@pytest.mark.parametrize("devices", [-1, 16.5, "16", True, None, 65537])
+def test_an_nbd_pool_the_plugin_refuses_fails_the_render(devices: object, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"node": {"nbdDevices": devices}}))
+    result = subprocess.run(
+        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
+         "--values", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "node.nbdDevices must be a whole number" in result.stderr
+
+
 def test_the_nfs_class_leaves_the_bound_to_the_node(default: list[dict[str, Any]]) -> None:
     """`hard` (or soft/timeo/retrans) in a class's mountOptions replaces the node's bound:
     a kernel NFS mount would then wait for ever on a storage node that is gone."""

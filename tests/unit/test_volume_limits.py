@@ -72,7 +72,7 @@ def test_kernel_count_is_ours_plus_the_devices_nobody_uses(sys_block: Path) -> N
     (sys_block / "loop0").mkdir()  # not an nbd device
     limit = attach.volume_limit(KERNEL, ours=1)
     assert (limit.count, limit.free) == (9, 8)
-    assert "8 free nbd device(s), 2 busy" in limit.reason
+    assert "ioctl: a pool of the 10 nbd device(s) present, 2 busy" in limit.reason
 
 
 def test_a_device_taken_by_someone_else_lowers_the_count(sys_block: Path) -> None:
@@ -125,6 +125,30 @@ def test_over_ioctl_only_the_devices_present_count(sys_block: Path) -> None:
     limit = attach.volume_limit(KERNEL, ours=1)
     assert (limit.count, limit.free) == (2, 1)
     assert "ioctl" in limit.reason
+
+
+def test_the_configured_nbd_pool_replaces_the_automatic_rule(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """node.nbd_devices: over netlink the pool itself (above or below 16); over
+    the ioctls at most the devices present."""
+    limits.NBDS_MAX.write_text("16\n")
+    for i in range(16):
+        nbd(sys_block, i, pid=i + 1, size=8)  # a node holding 16 nbd volumes
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: True)
+    assert attach.volume_limit(KERNEL, ours=16).count == 16
+    limit = attach.volume_limit(KERNEL, ours=16, nbd_pool=64)
+    assert (limit.count, limit.free) == (64, 48)
+    assert "node.nbd_devices" in limit.reason
+    assert attach.volume_limit(KERNEL, ours=16, nbd_pool=8).count == 16  # none free
+    config = parse_config({"node": {"nbd_devices": 40}}).node
+    node = NodeService("node-a", "127.0.0.1", config, tmp_path / "state", plan=KERNEL)
+    assert node.volume_limit().free == 40 - 16
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: False)
+    for i in range(16, 20):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=16, nbd_pool=64).count == 20  # the 4 free ones
+    assert attach.volume_limit(KERNEL, ours=0, nbd_pool=18).count == 2  # 18 of 20, 16 busy
 
 
 def test_a_pid_check_that_fails_counts_the_device_busy(
@@ -252,6 +276,18 @@ def test_the_configured_budget_reaches_the_count(meminfo: Path, tmp_path: Path) 
 def test_a_bad_budget_is_refused(value: object) -> None:
     with pytest.raises(ConfigError, match="fuse_attachment_mib"):
         parse_config({"node": {"fuse_attachment_mib": value}})
+
+
+@pytest.mark.parametrize("value", [-1, 65537, 16.0, True, "16"])
+def test_a_bad_nbd_pool_is_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match="nbd_devices"):
+        parse_config({"node": {"nbd_devices": value}})
+
+
+def test_the_nbd_pool_is_automatic_unless_set() -> None:
+    assert parse_config({"node": {}}).node.nbd_devices == 0
+    assert parse_config({"node": {"nbd_devices": 0}}).node.nbd_devices == 0
+    assert parse_config({"node": {"nbd_devices": 65536}}).node.nbd_devices == 65536
 
 
 def test_node_get_info_answers_when_counting_fails(
