@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from backend.reconcile import reconcile
 from backend.service import StorageService
 from hostio.addresses import HostPort, HostPortError, parse_host_port
 from nbd.exports import Export, ExportTable
+from nbd.holds import HoldNotReached
 from nbd.server import NBDServer, ServerConfig, default_workers, open_tcp_listeners
 from nbd.tls import TLSFiles
 
@@ -174,6 +175,19 @@ class DaemonExporter:
 
     def remove_nbd_export(self, name: str) -> None:
         trio.from_thread.run(self._remove_nbd_export, name, trio_token=self.token)
+
+    def hold_nbd_io(
+        self, hold_id: str, images: Sequence[Path], lease: float, timeout: float
+    ) -> None:
+        try:
+            trio.from_thread.run(
+                self.nbd.hold_io, hold_id, list(images), lease, timeout, trio_token=self.token
+            )
+        except HoldNotReached as e:
+            raise Unavailable(f"NBD clients' I/O could not be held: {e}") from None
+
+    def release_nbd_io(self, hold_id: str) -> None:
+        trio.from_thread.run_sync(self.nbd.release_io, hold_id, trio_token=self.token)
 
     # The change is made at once; it is done when every NBD worker process has it.
     async def _add_nbd_export(self, export: Export) -> None:

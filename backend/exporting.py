@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from sqlalchemy.orm import Session
@@ -38,6 +39,13 @@ class Exporter(Protocol):
     def remove_nfs_export(self, export_id: int) -> None: ...
     def add_nbd_export(self, export: Export) -> None: ...
     def remove_nbd_export(self, name: str) -> None: ...
+    # Hold the I/O of NBD clients on these images, once what they wrote is in
+    # them (``nbd.holds``): Unavailable after ``timeout`` s; it ends at release
+    # or after ``lease`` s.
+    def hold_nbd_io(
+        self, hold_id: str, images: Sequence[Path], lease: float, timeout: float
+    ) -> None: ...
+    def release_nbd_io(self, hold_id: str) -> None: ...
     def status(self) -> ExporterStatus: ...
 
 

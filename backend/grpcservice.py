@@ -25,7 +25,14 @@ from backend.api.proto import backend_pb2_grpc as pb_grpc
 from backend.metrics import OPERATION_SECONDS
 from backend.quarantine import Orphan
 from backend.service import StorageService
-from backend.views import CapacityInfo, NbdTargetInfo, NfsTargetInfo, SnapshotInfo, VolumeInfo
+from backend.views import (
+    CapacityInfo,
+    GroupSnapshotInfo,
+    NbdTargetInfo,
+    NfsTargetInfo,
+    SnapshotInfo,
+    VolumeInfo,
+)
 
 log = logging.getLogger("moorage.backend.api")
 
@@ -104,6 +111,19 @@ def snapshot_pb(s: SnapshotInfo) -> pb.Snapshot:
         state=s.state,
         ready_to_use=s.ready_to_use,
         created_unix=s.created_unix,
+        group_snapshot_id=s.group_snapshot_id or "",
+    )
+
+
+def group_snapshot_pb(g: GroupSnapshotInfo) -> pb.GroupSnapshot:
+    return pb.GroupSnapshot(
+        id=g.id,
+        name=g.name,
+        source_volume_ids=list(g.source_volume_ids),
+        snapshots=[snapshot_pb(s) for s in g.snapshots],
+        state=g.state,
+        ready_to_use=g.ready_to_use,
+        created_unix=g.created_unix,
     )
 
 
@@ -199,6 +219,23 @@ class BackendServicer(pb_grpc.BackendServicer):
             snapshot_id=request.snapshot_id or None,
         )
         return pb.ListSnapshotsResponse(snapshots=[snapshot_pb(s) for s in snaps], next_token=token)
+
+    def CreateGroupSnapshot(
+        self, request: pb.CreateGroupSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.GroupSnapshot:
+        group = self.service.create_group_snapshot(request.name, list(request.source_volume_ids))
+        return group_snapshot_pb(group)
+
+    def DeleteGroupSnapshot(
+        self, request: pb.DeleteGroupSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteGroupSnapshotResponse:
+        self.service.delete_group_snapshot(request.group_snapshot_id)
+        return pb.DeleteGroupSnapshotResponse()
+
+    def GetGroupSnapshot(
+        self, request: pb.GetGroupSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.GroupSnapshot:
+        return group_snapshot_pb(self.service.get_group_snapshot(request.group_snapshot_id))
 
     def GetCapacity(
         self, request: pb.GetCapacityRequest, context: grpc.ServicerContext

@@ -11,13 +11,15 @@ Read at scrape time, so they cost nothing between scrapes:
   did not know at start, left for the operator (``moorage pool orphans``);
 - ``moorage_nbd_exports`` and ``moorage_nbd_connections``: NBD exports and
   their open connections; ``moorage_nbd_requests_total``,
-  ``moorage_nbd_read_bytes_total``, ``moorage_nbd_written_bytes_total`` and
-  ``moorage_nbd_errors_total``: what every export did, summed (an export's
-  counts are kept when it goes, up to its last scrape);
+  ``moorage_nbd_read_bytes_total``, ``moorage_nbd_written_bytes_total``,
+  ``moorage_nbd_errors_total`` and ``moorage_nbd_request_seconds_total`` (from
+  reading each request to queueing its reply: over the requests, the mean
+  service time): what every export did, summed (an export's counts are kept
+  when it goes, up to its last scrape);
 - only with ``detail`` (``--metrics-detail``), as the port has no
   authentication and export names are volume ids with node names:
   ``moorage_nbd_export_requests_total``, ``..._read_bytes_total``,
-  ``..._written_bytes_total``, ``..._errors_total`` and
+  ``..._written_bytes_total``, ``..._errors_total``, ``..._request_seconds_total`` and
   ``moorage_nbd_export_connections``, each by ``export`` (one per publication;
   a counter starts again when its export is made anew);
 - ``moorage_ganesha_up`` and ``moorage_ganesha_restarts_total``;
@@ -47,12 +49,18 @@ from nbd.exports import ExportStats
 log = logging.getLogger("moorage.backend.metrics")
 
 REGISTRY = CollectorRegistry()
-# ExportStats' counters and their help texts
+# ExportStats' counters: the metric's name (moorage_nbd_NAME_total), its help
+# text, and the factor to its unit
 _NBD_COUNTERS = {
-    "requests": "NBD requests.",
-    "read_bytes": "Bytes read over NBD.",
-    "written_bytes": "Bytes written over NBD.",
-    "errors": "NBD requests answered with an error.",
+    "requests": ("requests", "NBD requests.", 1),
+    "read_bytes": ("read_bytes", "Bytes read over NBD.", 1),
+    "written_bytes": ("written_bytes", "Bytes written over NBD.", 1),
+    "errors": ("errors", "NBD requests answered with an error.", 1),
+    "service_ns": (
+        "request_seconds",
+        "Seconds from reading each NBD request to queueing its reply, summed.",
+        1e-9,
+    ),
 }
 OPERATION_SECONDS = Histogram(
     "moorage_backend_operation_seconds",
@@ -152,23 +160,23 @@ class StorageNodeCollector(Collector):
             "Open NBD connections.",
             value=sum(open_connections for _, _, open_connections in exports),
         )
-        for f, text in _NBD_COUNTERS.items():
-            yield CounterMetricFamily(f"moorage_nbd_{f}", text, value=totals[f])
+        for f, (name, text, unit) in _NBD_COUNTERS.items():
+            yield CounterMetricFamily(f"moorage_nbd_{name}", text, value=totals[f] * unit)
 
     def _nbd_per_export(
         self, exports: list[tuple[str, ExportStats, int]]
     ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """The same by export: export names are volume ids with node names."""
         per_export = {
-            field: CounterMetricFamily(f"moorage_nbd_export_{field}", text, labels=["export"])
-            for field, text in _NBD_COUNTERS.items()
+            field: CounterMetricFamily(f"moorage_nbd_export_{name}", text, labels=["export"])
+            for field, (name, text, _) in _NBD_COUNTERS.items()
         }
         connections = GaugeMetricFamily(
             "moorage_nbd_export_connections", "Open NBD connections.", labels=["export"]
         )
         for name, stats, open_connections in exports:
             for field, family in per_export.items():
-                family.add_metric([name], getattr(stats, field))
+                family.add_metric([name], getattr(stats, field) * _NBD_COUNTERS[field][2])
             connections.add_metric([name], open_connections)
         yield from per_export.values()
         yield connections

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from backend.api.errors import (
@@ -411,6 +411,21 @@ class Pool:
 
     def delete_snapshot(self, snap_id: str) -> None:
         self.snapshot_path(snap_id).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def frozen_together(self, volumes: Sequence[tuple[str, str]]) -> Iterator[None]:
+        """Freeze the mounted filesystems of these nfs volumes ((id, fs type) each),
+        all of them before the block runs; thaw every one after (even if a freeze
+        or the block fails).  Each freeze is bounded (``fsfreeze`` is killed after
+        its timeout)."""
+        with contextlib.ExitStack() as frozen:
+            for vol_id, fs_type in volumes:
+                frozen.enter_context(self._frozen(vol_id, fs_type))
+            yield
+
+    def flush_image(self, vol_id: str) -> None:
+        """Make what was written to a volume's image durable (fdatasync)."""
+        fsync_path(self._existing_image(vol_id))
 
     def clone_from_snapshot(
         self, snap_id: str, vol_id: str, size: int, kind: str, fs_type: str | None

@@ -73,6 +73,11 @@ def _finish_operations(service: StorageService) -> list[str]:
                     service.snapshots.finish_snapshot(target)
                 case OperationKind.DELETE_SNAPSHOT:
                     service.snapshots.finish_delete_snapshot(target)
+                case OperationKind.CREATE_GROUP_SNAPSHOT:
+                    # No NBD client is connected yet: the barrier holds nothing.
+                    service.group_snapshots.finish_group_snapshot(target)
+                case OperationKind.DELETE_GROUP_SNAPSHOT:
+                    service.group_snapshots.finish_delete_group_snapshot(target)
                 case OperationKind.PUBLISH:
                     service.publications.finish_publish(target, node)
                 case OperationKind.UNPUBLISH:

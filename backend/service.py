@@ -2,7 +2,7 @@
 
 ``StorageService`` builds the shared context (catalog, pool, exporter,
 configuration, locks) and one object per concern over it: volumes,
-snapshots, publications, the quarantine.  Its methods are what the gRPC API
+snapshots, group snapshots, publications, the quarantine.  Its methods are what the gRPC API
 serves; each hands the call to the object that owns it.  The node's own
 state (capacity, health) is answered here.
 
@@ -16,6 +16,7 @@ from backend import quarantine
 from backend.adoption_ops import Adoption
 from backend.catalog.db import Catalog
 from backend.exporting import Exporter, Exports
+from backend.group_snapshot_ops import GroupSnapshots
 from backend.operation import ServiceConfig, ServiceContext
 from backend.pool import Pool
 from backend.publication_ops import Publications
@@ -23,6 +24,7 @@ from backend.quarantine import Orphan
 from backend.snapshot_ops import Snapshots
 from backend.views import (
     CapacityInfo,
+    GroupSnapshotInfo,
     HealthInfo,
     NbdTargetInfo,
     NfsTargetInfo,
@@ -45,6 +47,7 @@ class StorageService:
         self.context = ServiceContext(catalog, pool, exporter, config)
         self.volumes = Volumes(self.context)
         self.snapshots = Snapshots(self.context)
+        self.group_snapshots = GroupSnapshots(self.context)
         self.publications = Publications(self.context)
         self.adoption = Adoption(self.context, self.volumes)
 
@@ -118,6 +121,17 @@ class StorageService:
         snapshot_id: str | None = None,
     ) -> tuple[list[SnapshotInfo], str]:
         return self.snapshots.list_snapshots(max_entries, token, source_volume_id, snapshot_id)
+
+    # group snapshots
+
+    def create_group_snapshot(self, name: str, source_volume_ids: list[str]) -> GroupSnapshotInfo:
+        return self.group_snapshots.create_group_snapshot(name, source_volume_ids)
+
+    def delete_group_snapshot(self, group_snapshot_id: str) -> None:
+        self.group_snapshots.delete_group_snapshot(group_snapshot_id)
+
+    def get_group_snapshot(self, group_snapshot_id: str) -> GroupSnapshotInfo:
+        return self.group_snapshots.get_group_snapshot(group_snapshot_id)
 
     # publications
 

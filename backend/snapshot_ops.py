@@ -7,7 +7,7 @@ import logging
 from sqlalchemy.orm import Session
 
 from backend import validation
-from backend.api.errors import AlreadyExists, FailedPrecondition, NotFound
+from backend.api.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from backend.catalog.db import get_snapshot_by_name, list_snapshots, record_operation
 from backend.catalog.models import OperationKind, Snapshot, SnapshotState, Volume, VolumeState
 from backend.failpoints import failpoint
@@ -120,6 +120,11 @@ class Snapshots:
             snap = s.get(Snapshot, snap_id)
             if snap is None:
                 return Intent(None)
+            if snap.group_snapshot_id is not None:
+                raise InvalidArgument(
+                    f"snapshot {snap_id} is a member of group snapshot {snap.group_snapshot_id}: "
+                    "it is deleted with its group only"
+                )
             if snap.state != SnapshotState.DELETING:
                 snap.state = SnapshotState.DELETING
                 record_operation(s, OperationKind.DELETE_SNAPSHOT, snap_id)

@@ -15,8 +15,9 @@ from sqlalchemy.orm import Session
 
 from backend import validation
 from backend.api.errors import BackendError
-from backend.catalog.db import publications_of
+from backend.catalog.db import group_members, publications_of
 from backend.catalog.models import (
+    GroupSnapshot,
     Operation,
     OperationKind,
     OperationState,
@@ -71,6 +72,19 @@ class SnapshotInfo:
     state: str
     ready_to_use: bool
     created_unix: int
+    group_snapshot_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupSnapshotInfo:
+    id: str
+    name: str
+    source_volume_ids: tuple[str, ...]
+    state: str
+    ready_to_use: bool
+    created_unix: int
+    # One per source volume, in the order of ``source_volume_ids``.
+    snapshots: tuple[SnapshotInfo, ...]
 
 
 @dataclass(frozen=True)
@@ -112,7 +126,7 @@ class HealthInfo:
     low_space: bool = False
 
 
-def _unix(row: Volume | Snapshot) -> int:
+def _unix(row: Volume | Snapshot | GroupSnapshot) -> int:
     return int(row.created_at.timestamp())
 
 
@@ -172,6 +186,21 @@ def snapshot_info(snap: Snapshot) -> SnapshotInfo:
         state=snap.state.value,
         ready_to_use=snap.state == SnapshotState.READY,
         created_unix=_unix(snap),
+        group_snapshot_id=snap.group_snapshot_id,
+    )
+
+
+def group_snapshot_info(s: Session, group: GroupSnapshot) -> GroupSnapshotInfo:
+    members = {m.source_volume_id: m for m in group_members(s, group.id)}
+    snaps = tuple(snapshot_info(members[v]) for v in group.source_volume_ids if v in members)
+    return GroupSnapshotInfo(
+        id=group.id,
+        name=group.name,
+        source_volume_ids=tuple(group.source_volume_ids),
+        state=group.state.value,
+        ready_to_use=group.state == SnapshotState.READY and all(x.ready_to_use for x in snaps),
+        created_unix=_unix(group),
+        snapshots=snaps,
     )
 
 

@@ -59,7 +59,7 @@ def plugin_version() -> str:
 
 class IdentityService(pb_grpc.IdentityServicer):
     def __init__(self, controller: bool, checks: Sequence[ReadinessCheck] = ()) -> None:
-        """``controller``: this process serves the Controller service."""
+        """``controller``: this process serves the Controller and GroupController services."""
         self.controller = controller
         self.checks = tuple(checks)
 
@@ -83,6 +83,9 @@ class IdentityService(pb_grpc.IdentityServicer):
                     service=PluginCap.Service(
                         type=PluginCap.Service.VOLUME_ACCESSIBILITY_CONSTRAINTS
                     )
+                ),
+                PluginCap(
+                    service=PluginCap.Service(type=PluginCap.Service.GROUP_CONTROLLER_SERVICE)
                 ),
                 *caps,
             ]

@@ -84,6 +84,7 @@ def snapshot(node: str, s: bpb.Snapshot) -> pb.Snapshot:
         source_volume_id=f"{node}:{s.source_volume_id}",
         creation_time=timestamp_pb2.Timestamp(seconds=s.created_unix),
         ready_to_use=s.ready_to_use,
+        group_snapshot_id=f"{node}:{s.group_snapshot_id}" if s.group_snapshot_id else "",
     )
 
 

@@ -28,6 +28,7 @@ from csi.nodestate import NodeState, Publication, StagedVolume, UnreadableRecord
 from csi.proto import csi_pb2 as pb
 from csi.proto import csi_pb2_grpc as pb_grpc
 from csi.storagenodes import StorageNodes
+from csi.volumeconditions import VolumeConditions
 
 log = logging.getLogger("moorage.csi.node")
 
@@ -104,6 +105,8 @@ class NodeService(pb_grpc.NodeServicer):
         self._plan = plan
         self.locks = OperationLocks()
         self._last_count: int | None = None  # NodeGetInfo's last good count
+        # what NodeGetVolumeStats last answered, for the metrics
+        self.conditions = VolumeConditions()
 
     @property
     def plan(self) -> attach.Plan:
@@ -489,6 +492,8 @@ class NodeService(pb_grpc.NodeServicer):
                 return pb.NodeUnpublishVolumeResponse()
             stage.unmount(target)
             stage.remove_path(target)
+            # kubelet asks no more about this path: its last condition goes too
+            self.conditions.forget(volume_id, request.target_path)
             if ephemeral:
                 self._unpublish_ephemeral(record)
             elif record.published.pop(str(target), None) is not None:
@@ -547,6 +552,13 @@ class NodeService(pb_grpc.NodeServicer):
     def NodeGetVolumeStats(
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.ServicerContext
     ) -> pb.NodeGetVolumeStatsResponse:
+        response = self._volume_stats(request)
+        self.conditions.record(
+            request.volume_id, request.volume_path, response.volume_condition.abnormal
+        )
+        return response
+
+    def _volume_stats(self, request: pb.NodeGetVolumeStatsRequest) -> pb.NodeGetVolumeStatsResponse:
         volume_id = _require(request.volume_id, "volume_id")
         if not request.volume_path:
             raise InvalidArgument("volume_path is missing")

@@ -106,6 +106,10 @@ class NodeState:
         """Write the record, atomically and durably (the directory fsynced too)."""
         write_atomically(self._path(record.volume_id), record.to_json())
 
+    def has(self, volume_id: str) -> bool:
+        """Whether a record of ``volume_id`` is there (read or not)."""
+        return self._path(volume_id).exists()
+
     def remove(self, volume_id: str) -> None:
         unlink_durably(self._path(volume_id), missing_ok=True)
 

@@ -8,7 +8,8 @@ whose mounts under kubelet's directory would not reach the host (before
 anything is made, so a restart never strands what it cannot reach); makes
 the node state directory, learns the host's attach paths and reconciles the
 node state with what exists; serves metrics, the CSI socket, ``/healthz``
-and kubelet's registration socket as asked, and starts the storage-node
+and kubelet's registration socket as asked (the metrics with the count of
+volumes last reported abnormal, node), and starts the storage-node
 health checks (controller) and the kernel nbd reconnect thread (node, on the
 kernel nbd path).  It logs ``csi plugin in MODE mode`` once every listener
 answers.  A start that fails undoes what it did and raises
@@ -32,11 +33,12 @@ from pathlib import Path
 from types import TracebackType
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from csi import attach, mounts
 from csi.config import PluginConfig
 from csi.controller import ControllerService
+from csi.groupcontroller import GroupControllerService
 from csi.health import start_health
 from csi.identity import IdentityService, ReadinessCheck, directory_usable
 from csi.kubeletpaths import DEFAULT_ROOT
@@ -46,6 +48,7 @@ from csi.registration import RegistrationService, serve_registration
 from csi.server import MODES, EndpointError, Mode, start_metrics, start_server
 from csi.storagenodehealth import CHECK_INTERVAL, StorageNodeHealth
 from csi.storagenodes import StorageNodes
+from csi.volumeconditions import VolumeConditionsCollector
 
 log = logging.getLogger("moorage.csi")
 
@@ -100,10 +103,12 @@ class Plugin:
         # the controller's, and the node's for ephemeral volumes
         self.storage_nodes = StorageNodes(config.file) if config.file.storage_nodes else None
         self.controller: ControllerService | None = None
+        self.group_controller: GroupControllerService | None = None
         if mode in ("controller", "all"):
             if self.storage_nodes is None:
                 raise StartError(f"--mode {mode} needs a --config naming at least one storage node")
             self.controller = ControllerService(self.storage_nodes)
+            self.group_controller = GroupControllerService(self.storage_nodes)
         self.node = self._node_service(mode) if serves_node else None
         # Probe answers for this process only, never for a storage node (csi/identity.py)
         checks: list[ReadinessCheck] = []
@@ -159,6 +164,8 @@ class Plugin:
                 raise StartError(str(e)) from None
         try:
             if config.metrics_address:
+                if self.node is not None:
+                    self._count_abnormal_volumes(running, self.node)
                 running.callback(start_metrics(config.metrics_address, self.registry))
             server = start_server(config.endpoint, self._add_services, self.registry)
             running.callback(server.stop, GRACE)
@@ -179,12 +186,20 @@ class Plugin:
         except (EndpointError, OSError) as e:
             raise StartError(str(e)) from None
 
+    def _count_abnormal_volumes(self, running: ExitStack, node: NodeService) -> None:
+        registry = REGISTRY if self.registry is None else self.registry
+        collector = VolumeConditionsCollector(node.conditions, node.state.has)
+        registry.register(collector)
+        running.callback(registry.unregister, collector)
+
     def _add_services(self, server: grpc.Server) -> None:
         services: list[tuple[Callable[..., None], object]] = [
             (pb_grpc.add_IdentityServicer_to_server, self.identity)
         ]
         if self.controller is not None:
             services.append((pb_grpc.add_ControllerServicer_to_server, self.controller))
+        if self.group_controller is not None:
+            services.append((pb_grpc.add_GroupControllerServicer_to_server, self.group_controller))
         if self.node is not None:
             services.append((pb_grpc.add_NodeServicer_to_server, self.node))
         for register, service in services:

@@ -34,7 +34,7 @@ Mode = Literal["controller", "node", "all"]
 MODES: tuple[Mode, ...] = ("controller", "node", "all")
 WORKERS = 32  # above the provisioner's and attacher's default worker counts
 _UNIX = "unix://"
-_SUBJECT_FIELDS = ("volume_id", "snapshot_id", "source_volume_id", "name")
+_SUBJECT_FIELDS = ("volume_id", "snapshot_id", "group_snapshot_id", "source_volume_id", "name")
 
 
 class EndpointError(ValueError):

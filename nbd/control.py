@@ -10,10 +10,12 @@ listener → worker
     and the worker's process index; ``export`` (seq, slot, export): add or
     change an export; ``remove`` (seq, name); ``conn`` (carries the client's
     socket); ``sync`` (seq): nothing but an acknowledgement wanted;
-    ``shutdown``: drain and exit.
+    ``shutdown``: drain and exit; ``hold`` (id, paths, lease, timeout): hold
+    the I/O of those images (``nbd.holds``); ``release`` (id): end that hold.
 worker → listener
     ``ack`` (seq): every change up to seq is in the worker's table;
-    ``closed``: one of the connections handed to it has ended.
+    ``closed``: one of the connections handed to it has ended;
+    ``held`` (id, error): the hold is reached (error null) or failed.
 
 A ``conn`` whose socket could not be received (the receiver is out of
 descriptors) arrives without it: one connection is lost, not the channel.
@@ -37,8 +39,10 @@ from nbd.exports import Export, ExportError, parse_networks
 MAX_MESSAGE = 256 * 1024
 MAX_FDS = 2
 
-OPS_TO_WORKER = frozenset({"config", "export", "remove", "conn", "sync", "shutdown"})
-OPS_TO_LISTENER = frozenset({"ack", "closed"})
+OPS_TO_WORKER = frozenset(
+    {"config", "export", "remove", "conn", "sync", "shutdown", "hold", "release"}
+)
+OPS_TO_LISTENER = frozenset({"ack", "closed", "held"})
 
 
 class ControlError(Exception):

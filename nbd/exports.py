@@ -104,6 +104,8 @@ class ExportStats:
     read_bytes: int = 0
     written_bytes: int = 0
     errors: int = 0
+    # nanoseconds from reading each request's header to queueing its reply, summed
+    service_ns: int = 0
 
 
 @dataclass

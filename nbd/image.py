@@ -165,6 +165,12 @@ class Image:
                 return
             done += n
 
+    def splice_to(self, pipe: int, offset: int, length: int) -> int:
+        """Move up to ``length`` bytes at ``offset`` into ``pipe`` (page references, no
+        copy); how many moved, 0 at the end of the file. ``BlockingIOError``: the pipe
+        is full."""
+        return os.splice(self.fd, pipe, length, offset_src=offset)
+
     # -- writes
 
     def write_nowait(self, data: memoryview, offset: int) -> int:

@@ -147,6 +147,15 @@ class ThreadedReplies:
         # The rest of a batch ``send_now`` could not send at once; the loop's
         # writer sends it first, still holding ``_sending`` for it.
         self._tail: list[memoryview] | None = None
+        # Writes queued (counted by the loop) and made (counted by the thread,
+        # done or failed): each counter has one writer, so no lock.
+        self.writes_queued = 0
+        self.writes_made = 0
+
+    @property
+    def sending_lock(self) -> threading.Lock:
+        """Held by whoever writes to the socket; another thread that writes takes it too."""
+        return self._sending
 
     def send_now(self, data: memoryview) -> bool:
         """Send whole replies from the loop at once, if nobody else is writing.
@@ -199,11 +208,17 @@ class ThreadedReplies:
 
         Its payload counts against the same limit as unsent replies.
         """
-        await self._queue(job, len(job.data), sent)
+        if await self._queue(job, len(job.data), sent):
+            self.writes_queued += 1
+
+    def writes_pending(self) -> bool:
+        """Whether a write queued for the thread may not have been made yet."""
+        return self.writes_made < self.writes_queued and not self._finished.is_set()
 
     async def _queue(
         self, what: list[memoryview] | WriteJob, n: int, sent: Callable[[], None] | None
-    ) -> None:
+    ) -> bool:
+        """Queue for the thread; False if the connection is dead (nothing queued)."""
         while not self.dead:
             with self._lock:
                 if self._unsent <= self.limit:
@@ -213,8 +228,9 @@ class ThreadedReplies:
                 drained = self._drained
             await drained.wait()
         if self.dead:
-            return
+            return False
         self._q.put((what, n, sent))
+        return True
 
     def close(self) -> None:
         """Send what is queued, then make ``run`` return."""
@@ -366,6 +382,7 @@ class ThreadedReplies:
                         return
                     run = _adjacent_writes(items, i)
                     parts = _write(run)
+                    self.writes_made += len(run)
                     for _, n, sent in items[i : i + len(run)]:
                         nbytes += n
                         if sent is not None:

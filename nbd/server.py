@@ -20,6 +20,7 @@ import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -27,6 +28,7 @@ import trio
 from nbd.codec import ProtocolError
 from nbd.exports import ExportTable, IPAddress
 from nbd.handshake import ClientGone, Handshake, HandshakePolicy
+from nbd.holds import Holds
 from nbd.tls import TLSFiles
 from nbd.transmission import Transmission
 from nbd.transport import PeerClosed, Transport
@@ -102,6 +104,8 @@ class NBDServer:
         )
         self._handshaking: set[trio.CancelScope] = set()
         self._transmitting: set[Transmission] = set()
+        # Images whose I/O is held at a barrier (``nbd.holds``), in this process.
+        self.holds = Holds()
         self._connections = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -117,6 +121,32 @@ class NBDServer:
         (bounded: a worker that does not answer is replaced)."""
         if self.pool is not None:
             await self.pool.synced()
+
+    async def hold_io(
+        self, hold_id: str, paths: Sequence[Path], lease: float, timeout: float
+    ) -> None:
+        """Hold the I/O of the images ``paths`` in this process and every worker,
+        and return once each connection on them is quiet (``nbd.holds``): what was
+        written before is in the images.  The hold lasts until ``release_io`` or
+        ``lease`` seconds.  HoldNotReached after ``timeout`` seconds, with the hold
+        released everywhere."""
+        deadline = trio.current_time() + timeout
+        hold = self.holds.place(hold_id, paths, lease)
+        try:
+            if self.pool is not None:
+                self.pool.place_hold(hold_id, paths, lease, timeout)
+            await self.holds.reach(hold, self._transmitting, timeout)
+            if self.pool is not None:
+                await self.pool.hold_reached(hold_id, max(0.0, deadline - trio.current_time()))
+        except BaseException:
+            self.release_io(hold_id)
+            raise
+
+    def release_io(self, hold_id: str) -> None:
+        """End a hold in this process and every worker (nothing if it is over)."""
+        self.holds.release(hold_id)
+        if self.pool is not None:
+            self.pool.release_hold(hold_id)
 
     # ---------------------------------------------------------- listening
 
@@ -251,6 +281,7 @@ class NBDServer:
             return
         tx.throttle = runtime.throttle
         tx.stats = runtime.stats
+        tx.holds = self.holds
         self._transmitting.add(tx)
         log.info(
             "%s: serving export %s (%d bytes%s%s)",

@@ -31,7 +31,7 @@ STRIDE = 64
 # Exports a server with workers may have at once (a storage node has one per
 # publication); the memfd is sparse, so only slots in use take memory.
 MAX_SLOTS = 16384
-COUNTERS = ("requests", "read_bytes", "written_bytes", "errors")
+COUNTERS = ("requests", "read_bytes", "written_bytes", "errors", "service_ns")
 
 
 class Counters(ctypes.Structure):
@@ -47,12 +47,14 @@ class Counters(ctypes.Structure):
         ("written_bytes", ctypes.c_uint64),
         ("errors", ctypes.c_uint64),
         ("connections", ctypes.c_int64),
+        ("service_ns", ctypes.c_uint64),
     ]
     requests: int
     read_bytes: int
     written_bytes: int
     errors: int
     connections: int
+    service_ns: int
 
 
 class _SlotLock:

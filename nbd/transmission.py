@@ -16,11 +16,14 @@ import functools
 import logging
 import struct
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from time import monotonic_ns
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 from nbd import codec
+from nbd.bulk import BulkRun, RunResult, wants_run
 from nbd.codec import ProtocolError, Request
 from nbd.constants import (
     MAX_PAYLOAD,
@@ -35,6 +38,7 @@ from nbd.constants import (
 )
 from nbd.exports import ExportStats
 from nbd.handshake import BASE_ALLOCATION_ID, Session
+from nbd.holds import Holds
 from nbd.sender import DIRECT_MAX, ThreadedReplies, WriteJob
 from nbd.throttle import Throttle
 from nbd.transport import (
@@ -46,6 +50,9 @@ from nbd.transport import (
     Transport,
     data_buffer,
 )
+
+if TYPE_CHECKING:
+    from outcome import Outcome
 
 log = logging.getLogger("moorage.nbd")
 
@@ -69,6 +76,9 @@ MAX_EXTENTS = 4096
 BATCH_MAX = DIRECT_MAX
 # Room for one batch's replies, read data included.
 BATCH_BYTES = 256 * 1024
+# After a run of large requests (``nbd.bulk``) that served nothing, this many
+# requests are served by the event loop before a run is tried again.
+BULK_BACKOFF = 64
 
 _REQUEST_MAGIC = REQUEST_MAGIC
 _SIMPLE_REPLY_MAGIC = SIMPLE_REPLY_MAGIC
@@ -178,6 +188,13 @@ class Transmission:
         self._budget = ByteBudget(MAX_BUFFERED)
         self._stopping = False
         self._awaiting_request = False
+        # Waiting at a hold on the image (``nbd.holds``), or done reading.
+        self._at_hold = False
+        self._reading_done = False
+        # The server's holds, set by the server once the connection is registered.
+        self.holds: Holds | None = None
+        self._bulk: BulkRun | None = None
+        self._bulk_after = 0  # no run before this many requests
         self.requests = 0
         self.threaded = 0
         # The export's I/O limits, shared with its other connections (set by
@@ -188,13 +205,25 @@ class Transmission:
     def stop_reading(self) -> None:
         """Read no more requests; those already read still get their replies.
 
-        Only a wait for the next request is interrupted: cancelling the reader
+        Only a wait for the next request (or at a hold) is interrupted: cancelling the reader
         while it writes an inline reply would leave half a reply on the wire,
         with the replies of other requests following it.
         """
         self._stopping = True
-        if self._awaiting_request:
+        if self._awaiting_request or self._at_hold:
             self.reader_scope.cancel()
+
+    @property
+    def image_path(self) -> Path:
+        return self.s.export.path
+
+    def quiet(self) -> bool:
+        """Whether nothing this connection read is being served, and its reader
+        waits (for a request, or at a hold) or has stopped: a hold's test."""
+        parked = self._awaiting_request or self._at_hold or self._reading_done
+        if not parked or self._in_flight.value != MAX_IN_FLIGHT:
+            return False
+        return not (isinstance(self.replies, ThreadedReplies) and self.replies.writes_pending())
 
     # ------------------------------------------------------------ replies
 
@@ -223,12 +252,21 @@ class Transmission:
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._write_replies)
                 async with trio.open_nursery() as nursery:
-                    with self.reader_scope:
-                        await self._read_loop(nursery)
+                    try:
+                        with self.reader_scope:
+                            await self._read_loop(nursery)
+                    finally:
+                        self._reading_done = True
                     # The nursery now waits for every request already read.
                 self.replies.close()  # the writer sends what is queued, then ends
         finally:
             self.image.close()
+            # The run refers back to this transmission: without this the pair
+            # (and the run's pooled buffers) would wait for the cycle collector.
+            # No thread serves it any more (``_in_thread`` waits for the thread).
+            if self._bulk is not None:
+                self._bulk.close()
+                self._bulk = None
 
     async def _write_replies(self) -> None:
         try:
@@ -252,6 +290,14 @@ class Transmission:
                     return
                 finally:
                     self._awaiting_request = False
+            holds = self.holds
+            if holds and holds.holding(self.s.export.path) is not None:
+                self._at_hold = True
+                try:
+                    await holds.wait_released(self.s.export.path)
+                finally:
+                    self._at_hold = False
+                continue  # the connection may have been told to stop meanwhile
             if batches:
                 served, need = await self._serve_batch()
                 # While requests come in batches, read as much as there is
@@ -271,6 +317,10 @@ class Transmission:
                     continue
                 if served:
                     continue
+                if self.requests >= self._bulk_after and wants_run(t._rbuf, t._start):
+                    if not await self._serve_run():
+                        return
+                    continue
             header = t.take(header_size)
             try:
                 req = codec.decode_request(header)
@@ -278,12 +328,16 @@ class Transmission:
                 log.warning("%s: %s; closing connection", self.label, e)
                 return
             self.requests += 1
-            if self.requests - last_yield >= YIELD_EVERY:
-                last_yield = self.requests
-                await trio.lowlevel.checkpoint()
             if req.type == Command.DISC:
                 log.debug("%s: soft disconnect", self.label)
                 return
+            # its time counts from here, its header parsed, as a batch's does
+            # (_serve_batch): the yield below and a limited export's wait for
+            # its IOPS or bandwidth limit are part of what its client sees
+            started = monotonic_ns()
+            if self.requests - last_yield >= YIELD_EVERY:
+                last_yield = self.requests
+                await trio.lowlevel.checkpoint()
             stats = self.stats
             stats.requests += 1
             if req.type == Command.READ:
@@ -297,11 +351,14 @@ class Transmission:
             cost = 0
             if req.type in (Command.READ, Command.WRITE) and req.length <= MAX_PAYLOAD:
                 cost = await self._budget.take(req.length)
-            if not await self._serve_one(req, cost, nursery):
+            if not await self._serve_one(req, cost, nursery, started):
                 return
 
-    async def _serve_one(self, req: Request, cost: int, nursery: trio.Nursery) -> bool:
-        """Take a request's payload and serve it, inline or in a task; False: stop reading."""
+    async def _serve_one(
+        self, req: Request, cost: int, nursery: trio.Nursery, started: int
+    ) -> bool:
+        """Take a request's payload and serve it, inline or in a task; False: stop
+        reading.  ``started``: when its header was read (monotonic_ns)."""
         handed_off = False
         payload: DataBuffer | None = None
         try:
@@ -330,11 +387,12 @@ class Transmission:
                 return True
             await self._in_flight.acquire()
             self.threaded += 1
-            nursery.start_soon(self._handle, req, payload, cost)
+            nursery.start_soon(self._handle, req, payload, cost, started)
             handed_off = True
             return True
         finally:
             if not handed_off:
+                self.stats.service_ns += monotonic_ns() - started
                 self._budget.give(cost)
                 if payload is not None:
                     self._buffers.put(payload)
@@ -364,6 +422,7 @@ class Transmission:
         may_write = not self.s.export.read_only
         if self.throttle is not None and not self.throttle.unlimited:
             return 0, 0
+        started = 0  # read once the first request is parsed and qualifies
         unpack = codec.REQUEST.unpack_from
         image.begin_inline()
         used = served = read = written = need = 0
@@ -377,10 +436,18 @@ class Transmission:
                 or offset + length > size
             ):
                 break
+            # The batch's time counts from its first request's header parsed and
+            # found servable here, as a request served alone counts from its
+            # header parsed; every request of the batch was in the buffer by
+            # then, and its reply is queued with the others' at the end.  A
+            # batch that serves nothing (the usual case before a request served
+            # alone) reads no clock.
             if type_ == _READ:
                 head = 28 if structured else 16
                 if used + head + length > room:
                     break
+                if not served:
+                    started = monotonic_ns()
                 try:
                     got = image.read_nowait(oview[used + head : used + head + length], offset)
                 except OSError:
@@ -403,6 +470,8 @@ class Transmission:
                     break
                 if used + 16 > room:
                     break
+                if not served:
+                    started = monotonic_ns()
                 try:
                     if not image.write_inline(rview[pos + 28 : pos + 28 + length], offset):
                         break
@@ -422,11 +491,64 @@ class Transmission:
             stats.requests += served
             stats.read_bytes += read
             stats.written_bytes += written
+            stats.service_ns += served * (monotonic_ns() - started)
             replies = self.replies
             assert isinstance(replies, ThreadedReplies)
             if not replies.send_now(oview[:used]):
                 await replies.put([bytes(oview[:used])])
         return served, need
+
+    async def _serve_run(self) -> bool:
+        """Serve a run of large plain requests in one thread (``nbd.bulk``); False: stop.
+
+        The event loop waits for the thread as one task: no request of the
+        run passes through it.  Cancelled (the export went away), the
+        thread is told and waited for (at most ``nbd.bulk._POLL_MS`` or the
+        request it is serving).
+        """
+        if self.throttle is not None and not self.throttle.unlimited:
+            self._bulk_after = self.requests + BULK_BACKOFF
+            return True
+        run = self._bulk
+        if run is None:
+            replies = self.replies
+            assert isinstance(replies, ThreadedReplies)
+            throttle = self.throttle
+            run = self._bulk = BulkRun(
+                self.t,
+                self.image,
+                self._buffers,
+                replies.sending_lock,
+                self.s.structured,
+                self.s.export.min_block_size,
+                self.s.export.read_only,
+                self._run_must_end,
+                HOLE_CHECK_MIN,
+                lambda e, command, flags: int(wire_errno(e, command, flags)),
+            )
+            if throttle is not None:
+                run.unlimited = lambda: throttle.unlimited
+        run.cancelled = False
+        result = await _in_thread(run.serve, run)
+        self.requests += result.requests
+        stats = self.stats
+        stats.requests += result.requests
+        stats.read_bytes += result.read_bytes
+        stats.written_bytes += result.written_bytes
+        stats.errors += result.errors
+        stats.service_ns += result.service_ns
+        if result.error is not None:
+            log.debug("%s: connection lost during a run: %s", self.label, result.error)
+            return False
+        if result.declined:
+            self._bulk_after = self.requests + (1 if result.requests else BULK_BACKOFF)
+        return True
+
+    def _run_must_end(self) -> bool:
+        """Asked by a run between requests: stop reading, or a hold on the image
+        (the event loop then waits at the hold, where the run could not)."""
+        holds = self.holds
+        return self._stopping or bool(holds and holds.names(self.s.export.path))
 
     def _validate(self, req: Request) -> tuple[Errno, str] | None:
         # A request read while the server shuts down is served like any other,
@@ -538,7 +660,9 @@ class Transmission:
 
     # ------------------------------------------------------ threaded path
 
-    async def _handle(self, req: Request, payload: DataBuffer | None, cost: int) -> None:
+    async def _handle(
+        self, req: Request, payload: DataBuffer | None, cost: int, started: int
+    ) -> None:
         try:
             await self._dispatch(req, payload)
         except RequestError as refused:
@@ -547,6 +671,7 @@ class Transmission:
             log.warning("%s: I/O error on %s: %s", self.label, req, e)
             await self._fail(req, wire_errno(e, req.type, req.flags), e.strerror or str(e))
         finally:
+            self.stats.service_ns += monotonic_ns() - started
             self._in_flight.release()
             self._budget.give(cost)
             if payload is not None:
@@ -666,3 +791,21 @@ class Transmission:
 
 
 _HOLE_ZERO = 0b11  # NBD_STATE_HOLE | NBD_STATE_ZERO
+
+
+async def _in_thread(fn: Callable[[], RunResult], run: BulkRun) -> RunResult:
+    """``fn()`` in one of trio's cached threads; a cancellation sets ``run.cancelled``
+    and still waits for ``fn`` to return (it looks at least every 20 ms)."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(outcome: Outcome[RunResult]) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, outcome)
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        run.cancelled = True
+        return trio.lowlevel.Abort.FAILED
+
+    trio.lowlevel.start_thread_soon(fn, deliver)
+    result: RunResult = await trio.lowlevel.wait_task_rescheduled(abort)
+    return result

@@ -26,6 +26,7 @@ import trio
 
 from nbd import control
 from nbd.exports import ExportRuntime, ExportStats, ExportTable
+from nbd.holds import HoldNotReached
 from nbd.server import NBDServer, ServerConfig, tune_malloc
 from nbd.shared import SharedExport, SharedRegion
 from nbd.tls import TLSFiles
@@ -177,8 +178,27 @@ class _Worker:
             elif op == "shutdown":
                 self.server.shutdown()  # serve() drains, then the worker exits
                 continue
+            elif op == "hold":
+                nursery.start_soon(self._hold, msg)
+                continue
+            elif op == "release":
+                self.server.release_io(str(msg["id"]))
+                continue
             if "seq" in msg:
                 await self._send({"op": "ack", "seq": int(msg["seq"])})
+
+    async def _hold(self, msg: control.Message) -> None:
+        """Hold the images' I/O on this worker's connections; say when reached."""
+        hold_id = str(msg["id"])
+        error = None
+        try:
+            paths = [Path(str(p)) for p in msg["paths"]]
+            await self.server.hold_io(hold_id, paths, float(msg["lease"]), float(msg["timeout"]))
+        except HoldNotReached as e:
+            error = str(e)
+        except (KeyError, TypeError, ValueError) as e:
+            error = f"bad hold message: {e}"
+        await self._send({"op": "held", "id": hold_id, "error": error})
 
     async def _serve_connection(self, fd: int) -> None:
         try:

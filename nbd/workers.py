@@ -29,6 +29,10 @@ only) and serves connections itself too:
   ``HANDOFF_TIMEOUT`` or sends one that makes no sense is killed.
   Workers die with the listener: ``PR_SET_PDEATHSIG`` (set by the worker),
   and the end of their control channel.
+- **Holds** (``nbd.holds``).  A hold is sent to every worker, which holds
+  the images' I/O on its own connections and says when it has (or that it
+  could not); the listener waits for every ready worker, bounded.  A worker
+  started while a hold lasts gets it first, with the lease that is left.
 - **Shutdown.**  Workers are told to drain like the listener (the same
   grace); whatever is left after the grace and ``STOP_MARGIN`` is killed.
 """
@@ -43,14 +47,16 @@ import signal
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import trio
 
 from nbd import control
 from nbd.exports import Export, ExportError, ExportRuntime, ExportStats, ExportTable
+from nbd.holds import HoldNotReached
 from nbd.shared import SharedExport, SharedRegion
 
 if TYPE_CHECKING:
@@ -106,6 +112,8 @@ class _Worker:
     ready: bool = False
     gone: bool = False
     acked_event: trio.Event = field(default_factory=trio.Event)
+    # Holds this worker answered: id -> None (reached) or why not.
+    held: dict[str, str | None] = field(default_factory=dict)
 
     def queue(self, msg: control.Message, handoff: _Handoff | None = None) -> bool:
         if self.gone:
@@ -138,6 +146,9 @@ class WorkerPool:
         self._free: deque[tuple[int, int]] = deque()  # (slot, seq of its removal)
         self._stopping = False
         self.respawns = 0
+        # Holds in force: id -> (paths, trio time its lease ends).
+        self._holds: dict[str, tuple[list[str], float]] = {}
+        self._held_event = trio.Event()
 
     # ------------------------------------------------------------ state
 
@@ -207,6 +218,52 @@ class WorkerPool:
                     "NBD worker %d did not take an export change in time; replacing it", w.index
                 )
                 _kill(w.proc)
+
+    # ------------------------------------------------------------ holds
+
+    def place_hold(self, hold_id: str, paths: Sequence[Path], lease: float, timeout: float) -> None:
+        """Send a hold to every worker (``hold_reached`` waits for their answers)."""
+        names = [str(p) for p in paths]
+        self._holds[hold_id] = (names, trio.current_time() + lease)
+        msg = {"op": "hold", "id": hold_id, "paths": names, "lease": lease, "timeout": timeout}
+        for w in self._live():
+            w.held.pop(hold_id, None)
+            w.queue(msg)
+
+    async def hold_reached(self, hold_id: str, timeout: float) -> None:
+        """Wait until every ready worker has reached the hold; HoldNotReached if
+        one could not, or after ``timeout`` seconds.  A worker still starting
+        has no connections: the hold reaches it before any."""
+        waiting: list[_Worker] = []
+        with trio.move_on_after(timeout):
+            while True:
+                live = self._live()
+                for w in live:
+                    error = w.held.get(hold_id)
+                    if error is not None:
+                        raise HoldNotReached(f"NBD worker {w.index}: {error}")
+                waiting = [w for w in live if w.ready and hold_id not in w.held]
+                if not waiting:
+                    return
+                await self._held_event.wait()
+        shown = ", ".join(str(w.index) for w in waiting)
+        raise HoldNotReached(f"NBD workers {shown} did not reach the hold within {timeout:g}s")
+
+    def release_hold(self, hold_id: str) -> None:
+        if self._holds.pop(hold_id, None) is None:
+            return
+        for w in self._live():
+            w.held.pop(hold_id, None)
+            w.queue({"op": "release", "id": hold_id})
+
+    def _held(self, worker: _Worker, msg: control.Message) -> None:
+        hold_id, error = msg.get("id"), msg.get("error")
+        if not isinstance(hold_id, str) or not (error is None or isinstance(error, str)):
+            raise control.ControlError(f"bad held {str(msg)[:80]!r}")
+        if hold_id in self._holds:
+            worker.held[hold_id] = error
+        event, self._held_event = self._held_event, trio.Event()
+        event.set()
 
     # ---------------------------------------------------------- routing
 
@@ -299,6 +356,8 @@ class WorkerPool:
             finally:
                 worker.gone = True
                 worker.acked_event.set()
+                event, self._held_event = self._held_event, trio.Event()
+                event.set()
                 with trio.CancelScope(shield=True):
                     status = await _reap(worker.proc)
                 worker.sock.close()
@@ -354,6 +413,12 @@ class WorkerPool:
             assert runtime is not None and runtime.shared is not None
             worker.queue(_export_message(self._seq, export, runtime.shared.slot))
         worker.queue({"op": "sync", "seq": self._seq})
+        now = trio.current_time()
+        for hold_id, (names, deadline) in self._holds.items():
+            if deadline > now:
+                lease = deadline - now
+                msg = {"op": "hold", "id": hold_id, "paths": names, "lease": lease, "timeout": 1.0}
+                worker.queue(msg)
         log.debug("NBD worker %d started (pid %d)", index, proc.pid)
         return worker
 
@@ -415,6 +480,8 @@ class WorkerPool:
                         event.set()
                     elif msg["op"] == "closed":
                         worker.connections = max(0, worker.connections - 1)
+                    elif msg["op"] == "held":
+                        self._held(worker, msg)
             except (OSError, control.ControlError) as e:
                 log.error("NBD worker %d: control channel failed: %s", worker.index, e)
                 _kill(worker.proc)

@@ -63,6 +63,7 @@ TABLES = {
     "publications",
     "operations",
     "pool_identity",
+    "group_snapshots",
     "alembic_version",
 }
 

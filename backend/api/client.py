@@ -132,6 +132,18 @@ class BackendClient:
         )
         return self._call("ListSnapshots", req)  # type: ignore[return-value]
 
+    def create_group_snapshot(self, name: str, source_volume_ids: list[str]) -> pb.GroupSnapshot:
+        req = pb.CreateGroupSnapshotRequest(name=name, source_volume_ids=source_volume_ids)
+        return self._call("CreateGroupSnapshot", req)  # type: ignore[return-value]
+
+    def delete_group_snapshot(self, group_snapshot_id: str) -> None:
+        req = pb.DeleteGroupSnapshotRequest(group_snapshot_id=group_snapshot_id)
+        self._call("DeleteGroupSnapshot", req)
+
+    def get_group_snapshot(self, group_snapshot_id: str) -> pb.GroupSnapshot:
+        req = pb.GetGroupSnapshotRequest(group_snapshot_id=group_snapshot_id)
+        return self._call("GetGroupSnapshot", req)  # type: ignore[return-value]
+
     def capacity(self) -> pb.Capacity:
         return self._call("GetCapacity", pb.GetCapacityRequest())  # type: ignore[return-value]
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from backend.catalog.models import (
+    GroupSnapshot,
     Operation,
     OperationKind,
     OperationState,
@@ -205,6 +206,16 @@ def list_snapshots(
         query = query.where(Snapshot.id > after_id)
     if source_volume_id is not None:
         query = query.where(Snapshot.source_volume_id == source_volume_id)
+    return session.scalars(query).all()
+
+
+def get_group_snapshot_by_name(session: Session, name: str) -> GroupSnapshot | None:
+    return session.scalars(select(GroupSnapshot).where(GroupSnapshot.name == name)).one_or_none()
+
+
+def group_members(session: Session, group_id: str) -> Sequence[Snapshot]:
+    """The member snapshots of a group snapshot, by id."""
+    query = select(Snapshot).where(Snapshot.group_snapshot_id == group_id).order_by(Snapshot.id)
     return session.scalars(query).all()
 
 

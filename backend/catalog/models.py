@@ -84,6 +84,9 @@ class OperationKind(enum.StrEnum):
     UNPUBLISH = "unpublish"
     # A quarantined image recorded as a volume again (backend/adoption_ops.py).
     ADOPT_VOLUME = "adopt_volume"
+    # Several volumes' snapshots at one point in time (backend/group_snapshot_ops.py).
+    CREATE_GROUP_SNAPSHOT = "create_group_snapshot"
+    DELETE_GROUP_SNAPSHOT = "delete_group_snapshot"
 
 
 class OperationState(enum.StrEnum):
@@ -184,9 +187,30 @@ class Snapshot(Base):
         _string_enum(SnapshotState), default=SnapshotState.CREATING
     )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # A member of a group snapshot: made and deleted with its group only.
+    group_snapshot_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), index=True)
 
     def __repr__(self) -> str:
         return f"Snapshot(id={self.id!r}, name={self.name!r}, state={self.state!r})"
+
+
+class GroupSnapshot(Base):
+    """Snapshots of several volumes taken at one point in time; its members are
+    the ``Snapshot`` rows that name it.  Its state is theirs (one transition for all)."""
+
+    __tablename__ = "group_snapshots"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
+    # In the order asked for (the identity of the group, with the name).
+    source_volume_ids: Mapped[list[str]] = mapped_column(JSON)
+    state: Mapped[SnapshotState] = mapped_column(
+        _string_enum(SnapshotState), default=SnapshotState.CREATING
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    def __repr__(self) -> str:
+        return f"GroupSnapshot(id={self.id!r}, name={self.name!r}, state={self.state!r})"
 
 
 class Publication(Base):

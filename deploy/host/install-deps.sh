@@ -50,22 +50,90 @@ packages=(
     # from an initramfs (cpio) holding its whole root filesystem
     qemu-system-x86 cpio
 )
+# Packages whose own service must not run here: Debian's prometheus (its
+# promtool checks and unit-tests the chart's alerts; the tests start their own
+# Prometheus on loopback, docs/monitoring.md).  Installed on their own, below.
+quiet_packages=(prometheus)
+
+# While a quiet package installs, /usr/sbin/policy-rc.d is one of ours (its
+# marker line tells it apart) and the host's own, if any, waits under a fixed
+# name beside it.  A run killed in the middle (SIGKILL, OOM, power loss) leaves
+# both, and ours forbids every service start on the host: every run puts them
+# right first, before it decides whether it has anything to install.
+policy=/usr/sbin/policy-rc.d
+policy_kept=$policy.install-deps-orig
+policy_new=$policy.install-deps-new
+policy_marker='# install-deps.sh: no service starts while it installs a package whose service must not run'
+present() { [ -e "$1" ] || [ -L "$1" ]; }
+policy_is_ours() { [ -f "$policy" ] && [ ! -L "$policy" ] && grep -qxF "$policy_marker" "$policy"; }
+restore_policy() {
+    rm -f "$policy_new"
+    if present "$policy"; then
+        if ! policy_is_ours; then
+            if present "$policy_kept"; then
+                echo "install-deps: warning: $policy is not install-deps.sh's, so $policy_kept (the one an earlier run put aside) is left for you to put back" >&2
+            fi
+            return 0
+        fi
+        rm -f "$policy"
+    fi
+    if present "$policy_kept"; then mv -T "$policy_kept" "$policy"; fi
+}
+restore_policy
 
 missing=()
-for p in "${packages[@]}"; do
+quiet_missing=()
+for p in "${packages[@]}" "${quiet_packages[@]}"; do
     status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-    [ "$status" = "install ok installed" ] || missing+=("$p")
+    [ "$status" = "install ok installed" ] && continue
+    if [[ " ${quiet_packages[*]} " == *" $p "* ]]; then quiet_missing+=("$p"); else missing+=("$p"); fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-    echo "install-deps: all ${#packages[@]} host packages present"
+if [ ${#missing[@]} -eq 0 ] && [ ${#quiet_missing[@]} -eq 0 ]; then
+    echo "install-deps: all $(( ${#packages[@]} + ${#quiet_packages[@]} )) host packages present"
     exit 0
 fi
 
-echo "install-deps: installing ${missing[*]}"
+echo "install-deps: installing ${missing[*]} ${quiet_missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The quiet packages' maintainer scripts start their service through
+# invoke-rc.d or deb-systemd-invoke, both of which ask /usr/sbin/policy-rc.d
+# first: one that answers 101 (action forbidden) for the length of their
+# install keeps the service from ever starting.  The host's own policy-rc.d is
+# moved aside (a symlink stays a symlink, and what it points to is never
+# written) and put back as it was, by the trap when the install fails, or by
+# the next run when this one is killed.
+if [ ${#quiet_missing[@]} -gt 0 ]; then
+    if present "$policy_kept"; then
+        die "$policy_kept is in the way (an earlier run's copy of the host's $policy, not put back because $policy changed since): put it back or remove it"
+    fi
+    trap restore_policy EXIT
+    if present "$policy"; then mv -T "$policy" "$policy_kept"; fi
+    printf '#!/bin/sh\n%s\nexit 101\n' "$policy_marker" > "$policy_new"
+    chmod 0755 "$policy_new"
+    mv -T "$policy_new" "$policy"
+    apt-get install -y -qq --no-install-recommends "${quiet_missing[@]}"
+    restore_policy
+    trap - EXIT
+    # and none starts at boot either; a failure to disable it is reported, as
+    # the service would start at the next boot
+    for p in "${quiet_missing[@]}"; do
+        if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+            if ! out=$(systemctl disable "$p.service" 2>&1); then
+                echo "install-deps: warning: systemctl disable $p.service failed, so it starts at the next boot: $out" >&2
+            fi
+        elif [ -x "/etc/init.d/$p" ]; then
+            if ! out=$(update-rc.d "$p" disable 2>&1); then
+                echo "install-deps: warning: update-rc.d $p disable failed, so it starts at the next boot: $out" >&2
+            fi
+        fi
+    done
+fi
 
 # The Debian package enables ganesha's own service; moorage runs ganesha
 # itself, with its own configuration, so the packaged one must not hold the

@@ -555,6 +555,77 @@ class DeleteSnapshotScenario(Scenario):
             assert find_snapshot(c, ctx.snapshot_id) is None
 
 
+class GroupSnapshotScenario(Scenario):
+    """An nbd and an nfs volume in one group: a crash at every step of the barrier
+    (intent, the nfs member frozen, the nbd member's I/O held, the copies made)."""
+
+    failpoints = (
+        "group_snapshot.intent",
+        "pool.frozen",
+        "group_snapshot.held",
+        "group_snapshot.files",
+    )
+
+    def setup(self, node: BackendNode, ctx: Ctx) -> None:
+        for kind, pattern in (("nbd", 0xC5), ("nfs", 0xC6)):
+            vol = create(node, f"{ctx.tag}-{kind}", kind, pattern=pattern)
+            write_data(node, vol)
+            ctx.survivors.append(vol)
+
+    def act(self, c: BackendClient, ctx: Ctx) -> None:
+        c.create_group_snapshot(f"{ctx.tag}-group", [v.id for v in ctx.survivors])
+
+    def members(self, c: BackendClient, ctx: Ctx) -> list[pb.Snapshot]:
+        ours = {v.id for v in ctx.survivors}
+        return [s for s in all_snapshots(c) if s.group_snapshot_id and s.source_volume_id in ours]
+
+    def after_crash(self, node: BackendNode, ctx: Ctx) -> None:
+        with node.client() as c:
+            members = self.members(c, ctx)
+            # recorded intent, sources still there: the restart takes the group
+            assert len(members) == 2 and all(m.ready_to_use for m in members), members
+            group = c.get_group_snapshot(members[0].group_snapshot_id)
+        assert group.ready_to_use and group.name == f"{ctx.tag}-group", group
+
+    def retry(self, node: BackendNode, ctx: Ctx) -> None:
+        with node.client() as c:
+            group = c.create_group_snapshot(f"{ctx.tag}-group", [v.id for v in ctx.survivors])
+            assert group.ready_to_use and len(group.snapshots) == 2, group
+            clones = [
+                c.create_volume(create_request(f"{ctx.tag}-clone-{v.kind}", v.kind, snap.id))
+                for snap, v in zip(group.snapshots, ctx.survivors, strict=True)
+            ]
+        for clone, vol in zip(clones, ctx.survivors, strict=True):
+            check_data(node, Vol(clone.id, clone.name, vol.kind, 0), like=vol)
+        with node.client() as c:
+            c.delete_group_snapshot(group.id)
+            assert self.members(c, ctx) == []
+
+
+class DeleteGroupSnapshotScenario(Scenario):
+    failpoints = ("delete_group_snapshot.intent",)
+
+    def setup(self, node: BackendNode, ctx: Ctx) -> None:
+        super().setup(node, ctx)
+        assert ctx.source is not None
+        with node.client() as c:
+            ctx.snapshot_id = c.create_group_snapshot(f"{ctx.tag}-group", [ctx.source.id]).id
+
+    def act(self, c: BackendClient, ctx: Ctx) -> None:
+        c.delete_group_snapshot(ctx.snapshot_id)
+
+    def after_crash(self, node: BackendNode, ctx: Ctx) -> None:
+        with node.client() as c, pytest.raises(grpc.RpcError) as gone:
+            c.get_group_snapshot(ctx.snapshot_id)
+        assert status_of(gone.value) == grpc.StatusCode.NOT_FOUND, gone.value
+        with node.client() as c:
+            assert [s for s in all_snapshots(c) if s.group_snapshot_id == ctx.snapshot_id] == []
+
+    def retry(self, node: BackendNode, ctx: Ctx) -> None:
+        with node.client() as c:
+            c.delete_group_snapshot(ctx.snapshot_id)
+
+
 class ExpandScenario(Scenario):
     failpoints = ("expand.intent", "expand.files")
 
@@ -730,6 +801,8 @@ SCENARIOS: dict[str, Scenario] = {
     "snapshot_nbd": SnapshotScenario("nbd"),
     "snapshot_nfs": SnapshotScenario("nfs"),
     "delete_snapshot": DeleteSnapshotScenario(),
+    "group_snapshot": GroupSnapshotScenario(),
+    "delete_group_snapshot": DeleteGroupSnapshotScenario(),
     "expand_nbd": ExpandScenario("nbd"),
     "expand_nfs": ExpandScenario("nfs"),
     "publish_nbd": PublishScenario("nbd"),

@@ -5,6 +5,13 @@ as in Kubernetes, over a real storage node on a loop pool: one run with nbd
 volumes and one with nfs volumes, each with that type's mutable parameters.
 Every Identity and Controller spec must pass; the only ones allowed not to
 run are those for services and flags this plugin does not claim.
+
+The GroupController specs ask ``--csi.endpoint``'s Identity whether the plugin
+has the GROUP_CONTROLLER_SERVICE, and call the service on
+``--csi.controllerendpoint`` (csi-test v5.4.0, pkg/sanity/groupcontroller.go).
+Only the controller claims it (kubelet's node plugin serves no group
+snapshots), so they run in a run of their own with both endpoints on the
+controller.
 """
 
 from __future__ import annotations
@@ -101,15 +108,18 @@ def run_sanity(
     mutable: str,
     node_specs: bool = False,
     access: str = "mount",
+    group_specs: bool = False,
 ) -> list[dict[str, object]]:
     """Identity and Controller specs against the controller and node plugins as
     Kubernetes runs them; with ``node_specs``, the Node specs against one plugin
     in ``all`` mode (csi-sanity publishes through the controller only when the
     endpoint it stages on also claims the controller service)."""
-    report = sanity_once(site, name, parameters, mutable, node_specs, access)
+    report = sanity_once(site, name, parameters, mutable, node_specs, access, group_specs)
     if report is None:
         print(f"csi-sanity {name}: only csi-test's connect race failed; running it again")
-        report = sanity_once(site, f"{name}-again", parameters, mutable, node_specs, access)
+        report = sanity_once(
+            site, f"{name}-again", parameters, mutable, node_specs, access, group_specs
+        )
     assert report is not None, f"csi-sanity {name}: the connect race twice in a row"
     specs: list[dict[str, object]] = []
     for suite in json.loads(report.read_text()):
@@ -118,7 +128,13 @@ def run_sanity(
 
 
 def sanity_once(
-    site: Site, name: str, parameters: str, mutable: str, node_specs: bool, access: str
+    site: Site,
+    name: str,
+    parameters: str,
+    mutable: str,
+    node_specs: bool,
+    access: str,
+    group_specs: bool,
 ) -> Path | None:
     """One csi-sanity run; its report, or None if only the connect race failed."""
     work = site.root / name
@@ -131,6 +147,12 @@ def sanity_once(
         *(
             ["--csi.endpoint", site.plugin_all.endpoint, "--ginkgo.focus", "Node Service"]
             if node_specs
+            else [
+                "--csi.endpoint", site.controller.endpoint,
+                "--csi.controllerendpoint", site.controller.endpoint,
+                "--ginkgo.focus", "GroupController",
+            ]
+            if group_specs
             else [
                 "--csi.endpoint", site.plugin_node.endpoint,
                 "--csi.controllerendpoint", site.controller.endpoint,
@@ -184,6 +206,11 @@ def test_csi_sanity_nbd_volumes(site: Site) -> None:
 def test_csi_sanity_nfs_volumes(site: Site) -> None:
     specs = run_sanity(site, "nfs", "type: nfs\nnfsFsType: xfs", "squash: no_root_squash")
     check_every_spec_of_ours_passed(specs)
+
+
+def test_csi_sanity_group_controller_specs(site: Site) -> None:
+    specs = run_sanity(site, "groups", "type: nbd", "iopsLimit: '2000'", group_specs=True)
+    check_every_spec_of_ours_passed(specs, ("[GroupController",), 6)
 
 
 NODE_RUNS = {

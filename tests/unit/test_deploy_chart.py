@@ -8,7 +8,6 @@ read from their Go modules, at the versions the chart's images name.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -20,14 +19,19 @@ import pytest
 import yaml
 
 from csi.health import PROBE_TIMEOUT as HEALTHZ_PROBE_TIMEOUT
+from tests.chart_render import CHART, KUBE_VERSION, helm, objects, render, run_helm
 from tests.conftest import REPO, go_module_dir
 
-CHART = REPO / "deploy" / "helm" / "moorage"
 MANIFESTS = REPO / "deploy" / "kubernetes" / "moorage.yaml"
 EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
-KUBE_VERSION = "1.34.0"
 # Kinds from CRDs (external-snapshotter, prometheus-operator): no schema in the package
-CRD_KINDS = {"VolumeSnapshotClass", "VolumeSnapshot", "ServiceMonitor"}
+CRD_KINDS = {
+    "VolumeSnapshotClass",
+    "VolumeSnapshot",
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+}
 # Each sidecar's module and the file its repository grants its ClusterRole in.
 RBAC = "deploy/kubernetes/rbac.yaml"
 SIDECAR_RBAC = {
@@ -56,35 +60,6 @@ LISTEN_FLAGS = {
     "--http-endpoint", "--metrics-address", "--health-address",  # sidecars and the plugin
     "--listen", "--nbd-listen", "--nfs-port", "--mount-port", "--metrics-listen",  # storage node
 }  # fmt: skip
-
-
-def helm() -> str:
-    path = os.environ.get("MOORAGE_HELM")
-    assert path, "MOORAGE_HELM is not set: run the tests through make (make test)"
-    assert os.access(path, os.X_OK), f"{path} is missing: make tools builds it"
-    return path
-
-
-def run_helm(*args: str) -> str:
-    result = subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def render(values: dict[str, Any] | None, tmp_path: Path) -> str:
-    extra: list[str] = []
-    if values is not None:
-        path = tmp_path / "values.yaml"
-        path.write_text(yaml.safe_dump(values))
-        extra = ["--values", str(path)]
-    return run_helm(
-        "template", "moorage", str(CHART), "--namespace", "moorage-system",
-        "--kube-version", KUBE_VERSION, *extra,
-    )  # fmt: skip
-
-
-def objects(text: str) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def find(objs: list[dict[str, Any]], kind: str, name_part: str = "") -> dict[str, Any]:

@@ -114,3 +114,14 @@ def test_quarantined_images_are_counted(service: StorageService) -> None:
     text = scrape(collector(service, []))
     assert sample(text, "moorage_quarantined_images") == 2
     assert VOLUME not in text
+
+
+def test_the_time_spent_serving_nbd_requests_is_in_seconds(service: StorageService) -> None:
+    exports = [
+        (EXPORTS[0], ExportStats(requests=4, service_ns=3_000_000_000), 1),
+        (EXPORTS[1], ExportStats(requests=2, service_ns=500_000_000), 1),
+    ]
+    text = scrape(collector(service, exports, detail=True))
+    assert sample(text, "moorage_nbd_request_seconds_total") == 3.5
+    assert sample(text, f'moorage_nbd_export_request_seconds_total{{export="{EXPORTS[1]}"}}') == 0.5
+    assert sample(text, "moorage_nbd_requests_total") == 6

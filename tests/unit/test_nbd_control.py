@@ -138,11 +138,18 @@ def test_counters_of_every_process_add_up() -> None:
             row = region.row(2, process)
             row.requests += n
             row.read_bytes += n * 4096
+            row.service_ns += n * 1000
             row.connections += 1
         # Another mapping of the same memory (as a worker has) sees them.
         other = SharedRegion(region.fd, 4, 3)
         sums, connections = other.totals(2)
-        assert sums == {"requests": 23, "read_bytes": 23 * 4096, "written_bytes": 0, "errors": 0}
+        assert sums == {
+            "requests": 23,
+            "read_bytes": 23 * 4096,
+            "written_bytes": 0,
+            "errors": 0,
+            "service_ns": 23000,
+        }
         assert connections == 3
         assert other.totals(1) == (dict.fromkeys(sums, 0), 0)
         region.clear(2)
