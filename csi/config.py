@@ -19,6 +19,7 @@ The file is TOML (Python's own ``tomllib`` reads it; no extra dependency)::
     address = "10.0.0.21"                   # the IP storage nodes see this node as
     io_timeout = 120                        # seconds I/O waits for a lost storage node
     fuse_attachment_mib = 64                # memory budgeted per FUSE attachment
+    nbd_devices = 0                         # nbd devices to count on (0: automatic)
     [node.topology]
     "topology.csi.moorage.dev/zone" = "a"
 
@@ -75,6 +76,10 @@ MAX_IO_TIMEOUT = 86400.0
 # count on the FUSE path is what the host has available divided by it.
 DEFAULT_FUSE_ATTACHMENT_MIB = 64
 MAX_FUSE_ATTACHMENT_MIB = 1 << 20  # 1 TiB
+# The nbd devices NodeGetInfo's count takes as the pool on the kernel-nbd path
+# (csi.attach.limits): 0 is the automatic rule; the most is a policy bound well
+# under the kernel's minor numbers.
+MAX_NBD_DEVICES = 65536
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class NodeConfig:
     io_timeout: float = DEFAULT_IO_TIMEOUT
     topology: Mapping[str, str] = field(default_factory=dict)
     fuse_attachment_mib: int = DEFAULT_FUSE_ATTACHMENT_MIB
+    nbd_devices: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,13 +220,19 @@ def _node(table: object) -> NodeConfig:
         raise ConfigError(
             f"{where}: fuse_attachment_mib must be between 1 and {MAX_FUSE_ATTACHMENT_MIB} (MiB)"
         )
+    nbd_devices = _take(t, "nbd_devices", int, where)
+    if nbd_devices is not None and not 0 <= nbd_devices <= MAX_NBD_DEVICES:
+        raise ConfigError(
+            f"{where}: nbd_devices must be between 0 (automatic) and {MAX_NBD_DEVICES}"
+        )
     topology = _topology(t.pop("topology", {}), f"{where} topology")
-    _no_more(t, where, "address, io_timeout, fuse_attachment_mib, topology")
+    _no_more(t, where, "address, io_timeout, fuse_attachment_mib, nbd_devices, topology")
     return NodeConfig(
         address=address,
         io_timeout=DEFAULT_IO_TIMEOUT if io_timeout is None else io_timeout,
         topology=topology,
         fuse_attachment_mib=DEFAULT_FUSE_ATTACHMENT_MIB if fuse_mib is None else fuse_mib,
+        nbd_devices=nbd_devices or 0,
     )
 
 

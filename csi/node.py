@@ -99,10 +99,12 @@ class NodeService(pb_grpc.NodeServicer):
         self.topology = {**config.topology, NODE_TOPOLOGY_KEY: name}
         self.io_timeout = config.io_timeout  # a StorageClass's ioTimeout overrides it
         self.fuse_attachment_bytes = config.fuse_attachment_mib << 20
+        self.nbd_devices = config.nbd_devices  # 0: csi.attach.limits' automatic pool
         self.paths = KubeletPaths(kubelet_dir)  # ValueError for a relative one
         self.state = NodeState(state_dir)
         self._plan = plan
         self.locks = OperationLocks()
+        self._last_count: int | None = None  # NodeGetInfo's last good count
         # what NodeGetVolumeStats last answered, for the metrics
         self.conditions = VolumeConditions()
 
@@ -158,16 +160,33 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodeGetInfoResponse:
         return pb.NodeGetInfoResponse(
             node_id=self.node_id,
-            max_volumes_per_node=self.volume_limit().count,
+            max_volumes_per_node=self._max_volumes(),
             accessible_topology=pb.Topology(segments=self.topology),
         )
+
+    def _max_volumes(self) -> int:
+        """The live count; when counting fails (a bad /sys, an I/O error on the
+        state directory), the last good count, or at first what the records
+        directory lists: an error here would unregister the driver (kubelet
+        calls NodeGetInfo at registration), and 0 would mean "no limit"."""
+        try:
+            self._last_count = self.volume_limit().count
+        except Exception:
+            log.exception("counting this node's volume limit failed; answering the last count")
+            if self._last_count is None:
+                try:
+                    held = sum(1 for n in os.listdir(self.state.volumes) if n.endswith(".json"))
+                except OSError:
+                    held = 0
+                return max(1, held)
+        return self._last_count
 
     def volume_limit(self) -> attach.VolumeLimit:
         """What this node holds and can still attach (``csi.attach.limits``).  Held:
         every recorded volume but inline ephemeral ones, which the scheduler does
         not count (their devices or memory are in use, so not free either)."""
         ours = sum(1 for r in self.state.scan()[0] if not r.ephemeral)
-        limit = attach.volume_limit(self.plan, ours, self.fuse_attachment_bytes)
+        limit = attach.volume_limit(self.plan, ours, self.fuse_attachment_bytes, self.nbd_devices)
         log.debug("max_volumes_per_node %d: %d held, %s", limit.count, ours, limit.reason)
         return limit
 

@@ -466,7 +466,7 @@ def test_the_io_timeout_reaches_the_plugins_configuration(
     assert config.node.io_timeout == (120 if io_timeout is None else io_timeout)
 
 
-@pytest.mark.parametrize("mib", [None, 256])
+@pytest.mark.parametrize("mib", [None, 1, 256, 1048576])
 def test_the_fuse_attachment_budget_reaches_the_plugins_configuration(
     mib: int | None, tmp_path: Path
 ) -> None:
@@ -476,6 +476,48 @@ def test_the_fuse_attachment_budget_reaches_the_plugins_configuration(
     config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
     config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
     assert config.node.fuse_attachment_mib == (64 if mib is None else mib)
+
+
+@pytest.mark.parametrize("mib", [0, -64, 64.5, "64Mi", "64", True, None, 1048577])
+def test_a_fuse_attachment_budget_the_plugin_refuses_fails_the_render(
+    mib: object, tmp_path: Path
+) -> None:
+    """The plugin's own rule (csi.config: a whole number of MiB, 1 to 1048576)
+    checked at render time, rather than a node plugin that crash-loops."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"node": {"fuseAttachmentMiB": mib}}))
+    result = subprocess.run(
+        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
+         "--values", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "node.fuseAttachmentMiB must be a whole number of MiB" in result.stderr
+
+
+@pytest.mark.parametrize("devices", [None, 0, 64, 65536])
+def test_the_nbd_pool_reaches_the_plugins_configuration(
+    devices: int | None, tmp_path: Path
+) -> None:
+    from csi.config import parse_config
+
+    values = None if devices is None else {"node": {"nbdDevices": devices}}
+    config_map = find(objects(render(values, tmp_path)), "ConfigMap", "csi-config")
+    config = parse_config(tomllib.loads(config_map["data"]["csi.toml"]))
+    assert config.node.nbd_devices == (devices or 0)
+
+
+@pytest.mark.parametrize("devices", [-1, 16.5, "16", True, None, 65537])
+def test_an_nbd_pool_the_plugin_refuses_fails_the_render(devices: object, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"node": {"nbdDevices": devices}}))
+    result = subprocess.run(
+        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
+         "--values", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "node.nbdDevices must be a whole number" in result.stderr
 
 
 def test_the_nfs_class_leaves_the_bound_to_the_node(default: list[dict[str, Any]]) -> None:

@@ -5,6 +5,7 @@ with real attachments, is tests/integration/test_csi_volume_limits.py's."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,14 @@ from csi.attach import limits
 from csi.config import ConfigError, NodeConfig, parse_config
 from csi.node import NodeService
 from csi.nodestate import NodeState, StagedVolume
+from csi.proto import csi_pb2 as pb
 from nbd import kernel as nbd_kernel
 
 KERNEL = attach.Plan("kernel-nbd", "faked", "kernel-nfs", "faked")
 FUSE = attach.Plan("fuse-loop", "faked", "fuse-nfs", "faked")
 NONE = attach.Plan(None, "faked", None, "faked")
+KERNEL_NFS_ONLY = attach.Plan(None, "faked", "kernel-nfs", "faked")
+FUSE_NFS_ONLY = attach.Plan(None, "faked", "fuse-nfs", "faked")
 MIB = 1 << 20
 
 
@@ -29,6 +33,7 @@ def sys_block(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setattr(nbd_kernel, "SYS_BLOCK", root)
     nbds_max = tmp_path / "nbds_max"
     monkeypatch.setattr(limits, "NBDS_MAX", nbds_max)
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: False)  # ioctl unless a test says
     return root
 
 
@@ -67,7 +72,7 @@ def test_kernel_count_is_ours_plus_the_devices_nobody_uses(sys_block: Path) -> N
     (sys_block / "loop0").mkdir()  # not an nbd device
     limit = attach.volume_limit(KERNEL, ours=1)
     assert (limit.count, limit.free) == (9, 8)
-    assert "8 free nbd device(s), 2 busy" in limit.reason
+    assert "ioctl: a pool of the 10 nbd device(s) present, 2 busy" in limit.reason
 
 
 def test_a_device_taken_by_someone_else_lowers_the_count(sys_block: Path) -> None:
@@ -86,19 +91,80 @@ def test_a_device_with_a_size_but_no_connection_yet_is_not_free(sys_block: Path)
     assert attach.volume_limit(KERNEL, ours=0).free == 1
 
 
-def test_with_nbds_max_0_the_pool_is_the_module_default(sys_block: Path) -> None:
-    """Netlink makes a device per connect: the devices made so far are part of a
-    pool of 16, so the count does not fall when the first ones appear."""
-    limits.NBDS_MAX.write_text("0\n")
-    empty = attach.volume_limit(KERNEL, ours=0)
-    nbd(sys_block, 0, pid=10, size=8)  # ours, made on connect
-    nbd(sys_block, 1)  # made earlier, free again
-    one_held = attach.volume_limit(KERNEL, ours=1)
-    assert (empty.count, one_held.count) == (16, 16)
-    assert "nbds_max=0" in one_held.reason
-    for i in range(2, 20):
+def test_over_netlink_the_pool_is_a_policy_not_nbds_max(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A netlink connect without an index makes a device when none is unused,
+    whatever nbds_max is: the pool is max(present, nbds_max, 16), less the busy."""
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: True)
+    limits.NBDS_MAX.write_text("4\n")
+    for i in range(4):
         nbd(sys_block, i)
-    assert attach.volume_limit(KERNEL, ours=1).count == 1 + 19  # more than 16 exist
+    assert attach.volume_limit(KERNEL, ours=0).count == 16  # not 4
+    for i in range(4):
+        (sys_block / f"nbd{i}" / "pid").write_text("9\n")
+    limit = attach.volume_limit(KERNEL, ours=4)
+    assert (limit.count, limit.free) == (16, 12)
+    assert "netlink" in limit.reason
+    limits.NBDS_MAX.write_text("0\n")
+    nbd(sys_block, 4, pid=10, size=8)  # made on connect
+    assert attach.volume_limit(KERNEL, ours=5).count == 16
+    limits.NBDS_MAX.write_text("32\n")
+    assert attach.volume_limit(KERNEL, ours=5).count == 32
+    for i in range(5, 40):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=5).count == 40  # more than the policy exist
+
+
+def test_over_ioctl_only_the_devices_present_count(sys_block: Path) -> None:
+    """The ioctls attach existing devices only: nbds_max=0 adds no pool."""
+    limits.NBDS_MAX.write_text("0\n")
+    assert attach.volume_limit(KERNEL, ours=0).count == 1  # nothing to attach: the floor
+    nbd(sys_block, 0)
+    nbd(sys_block, 1, pid=3, size=8)
+    limit = attach.volume_limit(KERNEL, ours=1)
+    assert (limit.count, limit.free) == (2, 1)
+    assert "ioctl" in limit.reason
+
+
+def test_the_configured_nbd_pool_replaces_the_automatic_rule(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """node.nbd_devices: over netlink the pool itself (above or below 16); over
+    the ioctls at most the devices present."""
+    limits.NBDS_MAX.write_text("16\n")
+    for i in range(16):
+        nbd(sys_block, i, pid=i + 1, size=8)  # a node holding 16 nbd volumes
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: True)
+    assert attach.volume_limit(KERNEL, ours=16).count == 16
+    limit = attach.volume_limit(KERNEL, ours=16, nbd_pool=64)
+    assert (limit.count, limit.free) == (64, 48)
+    assert "node.nbd_devices" in limit.reason
+    assert attach.volume_limit(KERNEL, ours=16, nbd_pool=8).count == 16  # none free
+    config = parse_config({"node": {"nbd_devices": 40}}).node
+    node = NodeService("node-a", "127.0.0.1", config, tmp_path / "state", plan=KERNEL)
+    assert node.volume_limit().free == 40 - 16
+    monkeypatch.setattr(limits, "nbd_netlink", lambda: False)
+    for i in range(16, 20):
+        nbd(sys_block, i)
+    assert attach.volume_limit(KERNEL, ours=16, nbd_pool=64).count == 20  # the 4 free ones
+    assert attach.volume_limit(KERNEL, ours=0, nbd_pool=18).count == 2  # 18 of 20, 16 busy
+
+
+def test_a_pid_check_that_fails_counts_the_device_busy(
+    sys_block: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nbd(sys_block, 0)
+    nbd(sys_block, 1)
+    real_exists = Path.exists
+
+    def exists(path: Path) -> bool:
+        if path == sys_block / "nbd1" / "pid":
+            raise OSError(errno.EIO, "I/O error")
+        return real_exists(path)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    assert limits.nbd_devices() == limits.NBDDevices(free=1, busy=1)
 
 
 def test_with_nothing_free_the_count_is_what_the_node_holds_and_never_0(sys_block: Path) -> None:
@@ -150,6 +216,20 @@ def test_unreadable_meminfo_leaves_only_what_the_node_holds(meminfo: Path) -> No
     assert "unreadable" in limit.reason
 
 
+def test_kernel_nfs_without_a_block_path_has_a_fixed_bound() -> None:
+    """NFS volumes need no block device: the node is not capped at what it holds."""
+    counts = [attach.volume_limit(KERNEL_NFS_ONLY, ours=n).count for n in (0, 1, 3)]
+    assert counts == [limits.MAX_FUSE_ATTACHMENTS] * 3
+    assert attach.volume_limit(KERNEL_NFS_ONLY, ours=2000).count == 2000
+
+
+def test_fuse_nfs_without_a_block_path_counts_the_memory_budget(meminfo: Path) -> None:
+    write_meminfo(meminfo, total_mib=8192, available_mib=1000, free_mib=200)
+    limit = attach.volume_limit(FUSE_NFS_ONLY, ours=3)
+    assert (limit.count, limit.free) == (3 + 1000 // 64, 1000 // 64)
+    assert "fuse-nfs" in limit.reason
+
+
 def test_no_block_path_counts_only_what_the_node_holds() -> None:
     assert attach.volume_limit(NONE, ours=0).count == 1
     assert attach.volume_limit(NONE, ours=4).count == 4
@@ -196,3 +276,41 @@ def test_the_configured_budget_reaches_the_count(meminfo: Path, tmp_path: Path) 
 def test_a_bad_budget_is_refused(value: object) -> None:
     with pytest.raises(ConfigError, match="fuse_attachment_mib"):
         parse_config({"node": {"fuse_attachment_mib": value}})
+
+
+@pytest.mark.parametrize("value", [-1, 65537, 16.0, True, "16"])
+def test_a_bad_nbd_pool_is_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match="nbd_devices"):
+        parse_config({"node": {"nbd_devices": value}})
+
+
+def test_the_nbd_pool_is_automatic_unless_set() -> None:
+    assert parse_config({"node": {}}).node.nbd_devices == 0
+    assert parse_config({"node": {"nbd_devices": 0}}).node.nbd_devices == 0
+    assert parse_config({"node": {"nbd_devices": 65536}}).node.nbd_devices == 65536
+
+
+def test_node_get_info_answers_when_counting_fails(
+    sys_block: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while counting must not fail NodeGetInfo (kubelet would
+    unregister the driver): the last good count, never 0."""
+    for i in range(4):
+        nbd(sys_block, i)
+    node = NodeService("node-a", "127.0.0.1", NodeConfig(), tmp_path / "state", plan=KERNEL)
+    node.state.create()
+    node.state.put(record("sn-a/v1"))
+    node.state.put(record("sn-a/v2"))
+
+    def broken() -> object:
+        raise OSError(errno.EIO, "I/O error")
+
+    request = pb.NodeGetInfoRequest()
+    with monkeypatch.context() as m:
+        m.setattr(node.state, "scan", broken)
+        first = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    assert first == 2  # nothing counted yet: what the records directory lists
+    good = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    monkeypatch.setattr(limits, "nbd_devices", broken)
+    after = node.NodeGetInfo(request, None).max_volumes_per_node  # type: ignore[arg-type]
+    assert (good, after) == (6, 6)
