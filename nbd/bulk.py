@@ -17,10 +17,18 @@ for the thread as one task, so the GIL has nobody else to go to.
 The run ends, and the event loop reads the next request itself, at the
 first request that is anything else (a flag, another command, a small one,
 an unaligned or out-of-range one, a read that meets a hole), when the socket
-has been idle for ``IDLE`` seconds, when the transmission stops reading, and
-when a write into the page cache was slow (``Image.may_write_inline``: such
-writes then go to worker threads as before).  The request that ended the run
-stays in the input buffer, unanswered and unread.
+has been idle for ``IDLE`` seconds, and when the transmission stops reading.
+The request that ended the run stays in the input buffer, unanswered and
+unread.
+
+A slow write into the page cache (the kernel throttling dirty pages) does
+not end the run, though it makes the event loop send its own writes to
+worker threads (``Image.may_write_inline``): the run is not the event loop,
+so its wait holds up nobody else.  Ending the run there cost memory and
+bought nothing: the event loop then found the client's whole queue waiting
+(fio keeps 32 requests of 256 KiB in flight) and took a payload buffer for
+each request up to its budget (``MAX_BUFFERED``, 16 of 256 KiB), and the pool
+keeps them; the run holds one write's buffer at a time.
 """
 
 from __future__ import annotations
@@ -201,7 +209,7 @@ class BulkRun:
         ):
             return None
         if type_ == _WRITE:
-            if self.read_only or not image.may_write_inline():
+            if self.read_only:
                 return None
         elif type_ == _READ:
             if self.structured and length >= self.hole_check_min:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 
+import nbd.bulk
 import nbd.image
 from nbd import client as nbd_client
 from nbd import codec
@@ -73,6 +74,8 @@ async def test_slow_page_cache_write_sends_writes_to_worker_threads(
     image.write_bytes(bytes(4 * MiB))
     # Every write counts as slow: after the first, writes leave the reply thread.
     monkeypatch.setattr(nbd.image, "SLOW_THREAD_WRITE", -1.0)
+    # The event loop's path: no runs (a run serves such writes in its own thread).
+    monkeypatch.setattr(nbd.bulk, "BULK_MIN", 1 << 62)
     table = ExportTable([Export("disk", image)])
     with trio.fail_after(TIMEOUT):
         async with serving(table) as (server, port):
@@ -84,6 +87,33 @@ async def test_slow_page_cache_write_sends_writes_to_worker_threads(
                 ).error == 0
             (tx,) = server._transmitting
             assert tx.threaded >= 7, f"only {tx.threaded} writes went to worker threads"
+            for i, block in enumerate(data):
+                assert await client.read(i * 128 * KiB, 128 * KiB) == block
+            await client.disconnect()
+    with image.open("rb") as f:
+        assert f.read(8 * 128 * KiB) == b"".join(data)
+
+
+async def test_slow_page_cache_write_does_not_end_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run waits for a slow write in its own thread; the event loop (and its
+    buffer for each queued request) is not brought in."""
+    image = tmp_path / "disk.img"
+    image.write_bytes(bytes(4 * MiB))
+    monkeypatch.setattr(nbd.image, "SLOW_THREAD_WRITE", -1.0)  # every write is slow
+    table = ExportTable([Export("disk", image)])
+    with trio.fail_after(TIMEOUT):
+        async with serving(table) as (server, port):
+            client, _ = await open_export(port, "disk")
+            data = [os.urandom(128 * KiB) for _ in range(8)]
+            for i, block in enumerate(data):
+                assert (
+                    await client.call(Command.WRITE, i * 128 * KiB, 128 * KiB, 0, block)
+                ).error == 0
+            (tx,) = server._transmitting
+            assert tx._bulk is not None, "no run served the writes"
+            assert tx.threaded == 0, f"{tx.threaded} writes went to worker threads"
             for i, block in enumerate(data):
                 assert await client.read(i * 128 * KiB, 128 * KiB) == block
             await client.disconnect()

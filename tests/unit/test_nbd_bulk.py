@@ -294,16 +294,45 @@ def test_a_failed_write_gets_its_error_and_the_run_goes_on(
     assert (result.requests, result.errors, result.written_bytes) == (3, 1, 2 * 256 * KiB)
 
 
-def test_after_a_slow_write_the_run_leaves_writes_to_the_event_loop(
-    rig: Callable[..., _Rig],
+class _PeakPool(BufferPool):
+    """Counts the buffers taken and not yet given back, and the most at once."""
+
+    held = 0
+    peak = 0
+
+    def get(self, size: int) -> DataBuffer:
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+        return super().get(size)
+
+    def put(self, buf: DataBuffer) -> None:
+        self.held -= 1
+        super().put(buf)
+
+
+def test_after_a_slow_write_the_run_goes_on_with_one_buffer_at_a_time(
+    rig: Callable[..., _Rig], image_path: Path
 ) -> None:
+    # Handing the writes to the event loop here made it take a buffer for
+    # each request the client had queued (up to 4 MiB per connection).
     r = rig()
+    pool = r.run.pool = _PeakPool()
     r.image._blocking_writes_after = time.monotonic() + 3600  # a slow write just now
-    request = codec.encode_request(Command.WRITE, 1, 0, 256 * KiB)
-    r.send(request).join()
+    rng = random.Random(5)
+    data = {c: rng.randbytes(256 * KiB) for c in range(6)}
+    wire = b"".join(
+        codec.encode_request(Command.WRITE, c, c * 256 * KiB, 256 * KiB) + data[c] for c in data
+    )
+    sender = r.send(wire)
     r.start()
+    replies = dict(r.simple_reply() for _ in data)
+    assert replies == dict.fromkeys(data, 0)
     result = r.finish()
-    assert (result.requests, result.declined) == (0, True)
+    sender.join()
+    assert (result.requests, result.written_bytes, result.declined) == (6, 6 * 256 * KiB, False)
+    assert (pool.peak, pool.held) == (1, 0)
+    with open(image_path, "rb") as f:
+        assert f.read(6 * 256 * KiB) == b"".join(data[c] for c in sorted(data))
 
 
 class _CountingPool(BufferPool):
