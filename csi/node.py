@@ -556,6 +556,12 @@ class NodeService(pb_grpc.NodeServicer):
         self.conditions.record(
             request.volume_id, request.volume_path, response.volume_condition.abnormal
         )
+        if not response.usage:
+            # kubelet (pkg/volume/csi/csi_client.go, NodeGetVolumeStats) fails an answer
+            # without usage ("usage is nil") before it reads the condition, so an abnormal
+            # volume would show in neither kubelet_volume_stats_health_status_abnormal nor
+            # a pod event. Zeros are what kubelet itself starts from: nothing known.
+            response.usage.append(pb.VolumeUsage(unit=pb.VolumeUsage.BYTES))
         return response
 
     def _volume_stats(self, request: pb.NodeGetVolumeStatsRequest) -> pb.NodeGetVolumeStatsResponse:

@@ -102,3 +102,32 @@ def test_the_metric_names_no_volume(node: NodeService, registry: CollectorRegist
     text = "\n".join(f"{s.name}{s.labels}" for family in registry.collect() for s in family.samples)
     assert "secret-volume" not in text
     assert abnormal_count(registry) == 1
+
+
+def test_an_abnormal_answer_carries_usage_for_kubelet(node: NodeService) -> None:
+    """kubelet throws away an answer with no usage before it reads the condition:
+    the abnormal condition must come with a usage entry (zeros: nothing known)."""
+    node.state._path("sn-a:vol-1").write_text("{not json")
+    got = stats(node, "sn-a:vol-1")
+    assert got.volume_condition.abnormal
+    assert [(u.unit, u.total, u.used, u.available) for u in got.usage] == [
+        (pb.VolumeUsage.BYTES, 0, 0, 0)
+    ]
+
+
+def test_a_mount_whose_server_is_away_is_abnormal_with_usage(
+    node: NodeService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NFS mount of a storage node gone past its I/O timeout: EIO (ENOENT of the
+    path would be NOT_FOUND); abnormal, naming the path, and still a usage entry."""
+    import errno
+
+    def eio(volume_id: str, path: str) -> Any:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(node.state, "get", lambda volume_id: None)
+    monkeypatch.setattr(node, "_record_at", eio)
+    got = stats(node, "sn-a:vol-1")
+    assert got.volume_condition.abnormal
+    assert "cannot be read: Input/output error" in got.volume_condition.message
+    assert len(got.usage) == 1
