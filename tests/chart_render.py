@@ -41,5 +41,18 @@ def render(values: dict[str, Any] | None, tmp_path: Path) -> str:
     )  # fmt: skip
 
 
+def render_error(values: dict[str, Any], tmp_path: Path) -> str:
+    """The error helm gives for ``values`` (it must refuse them)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = subprocess.run(
+        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
+         "--values", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0, f"helm rendered {values}"
+    return result.stderr
+
+
 def objects(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]

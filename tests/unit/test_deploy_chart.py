@@ -8,7 +8,6 @@ read from their Go modules, at the versions the chart's images name.
 
 from __future__ import annotations
 
-import subprocess
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from csi.health import PROBE_TIMEOUT as HEALTHZ_PROBE_TIMEOUT
-from tests.chart_render import CHART, KUBE_VERSION, helm, objects, render, run_helm
+from tests.chart_render import CHART, KUBE_VERSION, objects, render, render_error, run_helm
 from tests.conftest import REPO, go_module_dir
 
 MANIFESTS = REPO / "deploy" / "kubernetes" / "moorage.yaml"
@@ -159,15 +158,9 @@ def test_an_allocatable_update_period_kubernetes_refuses_fails_the_render(
     period: object, tmp_path: Path
 ) -> None:
     """The API server's own rule (at least 10 s, a whole number) checked at render time."""
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump({"csiDriver": {"nodeAllocatableUpdatePeriodSeconds": period}}))
-    result = subprocess.run(
-        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
-         "--values", str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "nodeAllocatableUpdatePeriodSeconds must be a whole number of seconds" in result.stderr
+    assert "nodeAllocatableUpdatePeriodSeconds must be a whole number of seconds" in render_error(
+        {"csiDriver": {"nodeAllocatableUpdatePeriodSeconds": period}}, tmp_path
+    )
 
 
 def test_fs_types_come_from_the_classes_not_a_provisioner_default(
@@ -484,15 +477,9 @@ def test_a_fuse_attachment_budget_the_plugin_refuses_fails_the_render(
 ) -> None:
     """The plugin's own rule (csi.config: a whole number of MiB, 1 to 1048576)
     checked at render time, rather than a node plugin that crash-loops."""
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump({"node": {"fuseAttachmentMiB": mib}}))
-    result = subprocess.run(
-        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
-         "--values", str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "node.fuseAttachmentMiB must be a whole number of MiB" in result.stderr
+    assert "node.fuseAttachmentMiB must be a whole number of MiB" in render_error(
+        {"node": {"fuseAttachmentMiB": mib}}, tmp_path
+    )
 
 
 @pytest.mark.parametrize("devices", [None, 0, 64, 65536])
@@ -509,15 +496,9 @@ def test_the_nbd_pool_reaches_the_plugins_configuration(
 
 @pytest.mark.parametrize("devices", [-1, 16.5, "16", True, None, 65537])
 def test_an_nbd_pool_the_plugin_refuses_fails_the_render(devices: object, tmp_path: Path) -> None:
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump({"node": {"nbdDevices": devices}}))
-    result = subprocess.run(
-        [helm(), "template", "moorage", str(CHART), "--kube-version", KUBE_VERSION,
-         "--values", str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "node.nbdDevices must be a whole number" in result.stderr
+    assert "node.nbdDevices must be a whole number" in render_error(
+        {"node": {"nbdDevices": devices}}, tmp_path
+    )
 
 
 def test_the_nfs_class_leaves_the_bound_to_the_node(default: list[dict[str, Any]]) -> None:
