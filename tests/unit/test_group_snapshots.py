@@ -252,3 +252,47 @@ def test_an_interrupted_group_is_taken_again_whole_at_start(
     assert service.pool.snapshot_path(first).read_bytes() == b"N" * MiB
     assert events[:4] == ["freeze []", "hold", "flush a", "flush b"]
     assert events[-2:] == ["release", "thaw"]
+
+
+def test_without_reflink_a_group_too_large_to_copy_within_the_lease_is_refused(
+    service: StorageService, events: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each member here has 1 MiB allocated; with a limit of 2 MiB, three members
+    are refused before anything is recorded or held, and two are taken."""
+    from backend import group_snapshot_ops
+
+    monkeypatch.setattr(group_snapshot_ops, "PLAIN_COPY_LIMIT", 2 * MiB)
+    monkeypatch.setattr(service.pool, "supports_reflink", lambda: False)
+    with pytest.raises(FailedPrecondition, match="cannot snapshot these volumes together"):
+        service.create_group_snapshot("g1", [NBD_A, NBD_B, NFS_C])
+    assert recorded(service) == (0, 0, [])
+    assert events == []
+    assert service.create_group_snapshot("g2", [NBD_A, NBD_B]).ready_to_use
+    # With reflink the copies take no time to speak of: no limit.
+    monkeypatch.setattr(service.pool, "supports_reflink", lambda: True)
+    assert service.create_group_snapshot("g3", [NBD_A, NBD_B, NFS_C]).ready_to_use
+
+
+def test_no_member_is_copied_once_the_lease_is_over(
+    service: StorageService, events: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold takes its whole lease to be placed (a clock moved on by the
+    exporter): the group fails before the first copy, not after the last."""
+    from backend import group_snapshot_ops
+
+    now = [1000.0]
+    monkeypatch.setattr(group_snapshot_ops.time, "monotonic", lambda: now[0])
+    exporter: Recorder = service.exporter  # type: ignore[assignment]
+    real_hold = exporter.hold_nbd_io
+
+    def slow_hold(hold_id: str, images: Sequence[Path], lease: float, timeout: float) -> None:
+        real_hold(hold_id, images, lease, timeout)
+        now[0] += lease
+
+    monkeypatch.setattr(exporter, "hold_nbd_io", slow_hold)
+    with pytest.raises(Unavailable, match="lease"):
+        service.create_group_snapshot("g1", [NBD_A, NBD_B, NFS_C])
+    assert not [e for e in events if e.startswith("copy")]
+    assert events[-2:] == ["release", "thaw"]
+    assert recorded(service) == (0, 0, ["failed"])
+    assert service.pool.list_snapshot_images() == set()
