@@ -11,6 +11,8 @@ Real sockets and real worker processes; the clients are ``tests.nbdwire``'s.
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 from pathlib import Path
 
@@ -163,4 +165,37 @@ async def test_a_hold_never_released_ends_with_its_lease(tmp_path: Path, workers
                 ).error == 0
                 assert at(a, i * 4096) == block(5)
             for client in on_a:
+                await client.disconnect()
+
+
+async def test_a_release_queued_behind_a_respawned_workers_hold_ends_it(tmp_path: Path) -> None:
+    """A worker killed during a hold is started again with the hold queued (the
+    lease that is left); the release, sent before the new process has read
+    anything (Python takes longer to start), reaches it right behind. A
+    connection on that worker then writes at once, not after the lease (an
+    hour here). Six rounds: with the release overtaking the hold inside the
+    worker, about half of them were held for good."""
+    a = sparse_image(tmp_path / "a.img", 4 * MiB)
+    table = ExportTable([Export("a", a)])
+    with trio.fail_after(TIMEOUT * 3):
+        async with serving(table, ServerConfig(workers=2)) as (server, port):
+            pool = server.pool
+            assert pool is not None
+            for round_ in range(6):
+                await server.hold_io(f"r{round_}", [a], lease=3600, timeout=10)
+                old = pool._workers[1].proc.pid
+                os.kill(old, signal.SIGKILL)
+                with trio.fail_after(TIMEOUT):
+                    while pool._workers[1].proc.pid == old:
+                        await trio.sleep(0.01)
+                assert not pool._workers[1].ready  # the new one has not read its messages
+                server.release_io(f"r{round_}")
+                with trio.fail_after(TIMEOUT):
+                    while not pool._workers[1].ready:
+                        await trio.sleep(0.01)
+                (client,) = await clients_on(port, "a", 1)  # on a tie the worker takes it
+                with trio.fail_after(20):  # the lease is 3600 s
+                    reply = await client.call(Command.WRITE, 0, 4096, payload=block(round_))
+                assert reply.error == 0 and at(a, 0) == block(round_)
+                assert processes_of(server, "a") == {1}
                 await client.disconnect()
