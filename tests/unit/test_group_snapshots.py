@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -281,7 +282,8 @@ def test_no_member_is_copied_once_the_lease_is_over(
     from backend import group_snapshot_ops
 
     now = [1000.0]
-    monkeypatch.setattr(group_snapshot_ops.time, "monotonic", lambda: now[0])
+    # The module's own clock only, not time.monotonic for everything else.
+    monkeypatch.setattr(group_snapshot_ops, "time", SimpleNamespace(monotonic=lambda: now[0]))
     exporter: Recorder = service.exporter  # type: ignore[assignment]
     real_hold = exporter.hold_nbd_io
 
