@@ -266,7 +266,16 @@ class GroupSnapshots:
                 record_operation(s, OperationKind.DELETE_GROUP_SNAPSHOT, group_id)
             return Intent(None, lambda: self.finish_delete_group_snapshot(group_id))
 
-        self.ctx.operation([group_id], decide, failpoint_at="delete_group_snapshot.intent")
+        # The keys a create of this group takes, in its order: a delete never runs
+        # while a create of the same group (taking it again) copies its members.
+        with self.ctx.catalog.read_session() as s:
+            group = s.get(GroupSnapshot, group_id)
+            keys = (
+                [group_id]
+                if group is None
+                else [f"group:{group.name}", *sorted(group.source_volume_ids)]
+            )
+        self.ctx.operation(keys, decide, failpoint_at="delete_group_snapshot.intent")
 
     def finish_delete_group_snapshot(self, group_id: str) -> None:
         with self.ctx.catalog.read_session() as s:

@@ -13,6 +13,7 @@ tests/integration/test_csi_group_snapshots.py.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -297,4 +298,36 @@ def test_no_member_is_copied_once_the_lease_is_over(
     assert not [e for e in events if e.startswith("copy")]
     assert events[-2:] == ["release", "thaw"]
     assert recorded(service) == (0, 0, ["failed"])
+    assert service.pool.list_snapshot_images() == set()
+
+
+def test_a_delete_waits_for_a_create_taking_the_same_group_again(
+    service: StorageService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group left CREATING is taken again by a second create; a delete that
+    arrives while its members are copied runs after the create, not in the
+    middle (it would remove files and rows under the copies)."""
+    ops = service.group_snapshots
+    ops.finish_group_snapshot = lambda group_id: None  # type: ignore[method-assign]
+    g = service.create_group_snapshot("g1", [NBD_A, NBD_B])
+    del ops.finish_group_snapshot
+    copying = service.pool.snapshot
+    deleter: list[threading.Thread] = []
+
+    def snapshot(vol_id: str, snap_id: str, fs_type: str | None) -> Path:
+        if not deleter:  # the first copy: a delete comes in now
+            deleter.append(threading.Thread(target=service.delete_group_snapshot, args=(g.id,)))
+            deleter[0].start()
+            deleter[0].join(2)  # bounded: with the locks right it cannot end here
+        return copying(vol_id, snap_id, fs_type)
+
+    monkeypatch.setattr(service.pool, "snapshot", snapshot)
+    again = service.create_group_snapshot("g1", [NBD_A, NBD_B])
+    assert again.id == g.id and again.ready_to_use
+    assert all(service.pool.snapshot_path(m.id).exists() for m in again.snapshots)
+    deleter[0].join(30)
+    assert not deleter[0].is_alive()
+    with pytest.raises(NotFound):
+        service.get_group_snapshot(g.id)
+    assert recorded(service)[:2] == (0, 0)
     assert service.pool.list_snapshot_images() == set()
