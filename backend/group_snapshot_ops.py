@@ -15,7 +15,9 @@ power cut at one instant would have left on every member.
 Bounds: the hold must be reached within ``HOLD_TIMEOUT`` (a client stalled
 in the middle of a request makes the group snapshot fail, with everything
 released); the hold itself lasts at most ``HOLD_LEASE``, and a group whose
-copies took longer than that is not trusted and fails.  A failed group
+copies took longer than that is not trusted and fails (the lease is looked
+at before each copy).  On a pool without reflink, a group with more
+allocated data than ``PLAIN_COPY_LIMIT`` is refused up front.  A failed group
 snapshot leaves no snapshot behind, as a request refused up front does.
 """
 
@@ -59,6 +61,13 @@ MAX_MEMBERS = 64
 HOLD_TIMEOUT = 10.0
 # How long the I/O of the members may stay held: flush and copies must be done by then.
 HOLD_LEASE = 60.0
+# On a pool without reflink every member is a sparse copy of its allocated
+# data, made while the members' I/O is held.  A copy rate assumed for that
+# (an assumption for a slow disk reading and writing at once, not a
+# measurement), and the most allocated bytes a group may have there: what
+# that rate copies in half the lease.  A larger group is refused up front.
+PLAIN_COPY_RATE = 32 << 20  # bytes per second
+PLAIN_COPY_LIMIT = int(PLAIN_COPY_RATE * HOLD_LEASE / 2)
 
 
 class GroupSnapshots:
@@ -106,6 +115,7 @@ class GroupSnapshots:
                 if v.state != VolumeState.READY:
                     raise FailedPrecondition(f"volume {src} is {v.state.value}")
                 volumes.append(v)
+            self._check_plain_copies_fit(volumes)
             group_id = new_id()
             s.add(GroupSnapshot(id=group_id, name=name, source_volume_ids=sources))
             for v in volumes:
@@ -162,12 +172,9 @@ class GroupSnapshots:
                     pool.flush_image(vol)
                 failpoint("group_snapshot.held")
                 for snap_id, vol, _, _ in members:
+                    self._check_lease(lease_ends)  # fail before a copy that cannot count
                     pool.snapshot(vol, snap_id, None)  # frozen or held already
-                if time.monotonic() >= lease_ends:
-                    raise Unavailable(
-                        f"the copies took longer than the hold's lease ({HOLD_LEASE:g}s): "
-                        "the members' I/O may have resumed before the last one was taken"
-                    )
+                self._check_lease(lease_ends)
         except BaseException as e:
             self._remove(group_id, [m[0] for m in members], OperationKind.CREATE_GROUP_SNAPSHOT, e)
             raise
@@ -180,6 +187,30 @@ class GroupSnapshots:
                 m.state = SnapshotState.READY
             close_journal(s, group_id, OperationKind.CREATE_GROUP_SNAPSHOT)
         log.info("group snapshot %s of %d volumes ready", group_id, len(members))
+
+    def _check_plain_copies_fit(self, volumes: Sequence[Volume]) -> None:
+        """FailedPrecondition when the pool copies without reflink and the members'
+        allocated data is more than ``PLAIN_COPY_LIMIT``: the copies would likely
+        outlast the hold's lease, with the clients stopped all that time."""
+        pool = self.ctx.pool
+        if pool.supports_reflink():
+            return
+        total = sum(pool.allocated_bytes(pool.image_path(v.id)) for v in volumes)
+        if total > PLAIN_COPY_LIMIT:
+            raise FailedPrecondition(
+                f"cannot snapshot these volumes together: the pool has no reflink, and copying "
+                f"their {total >> 20} MiB of data would likely take longer than the "
+                f"{HOLD_LEASE:g}s the members' I/O may be held (at most "
+                f"{PLAIN_COPY_LIMIT >> 20} MiB on such a pool)"
+            )
+
+    @staticmethod
+    def _check_lease(lease_ends: float) -> None:
+        if time.monotonic() >= lease_ends:
+            raise Unavailable(
+                f"the copies took longer than the hold's lease ({HOLD_LEASE:g}s): "
+                "the members' I/O may have resumed before the last one was taken"
+            )
 
     @contextmanager
     def _nbd_io_held(self, vol_ids: Sequence[str]) -> Iterator[None]:
@@ -235,7 +266,16 @@ class GroupSnapshots:
                 record_operation(s, OperationKind.DELETE_GROUP_SNAPSHOT, group_id)
             return Intent(None, lambda: self.finish_delete_group_snapshot(group_id))
 
-        self.ctx.operation([group_id], decide, failpoint_at="delete_group_snapshot.intent")
+        # The keys a create of this group takes, in its order: a delete never runs
+        # while a create of the same group (taking it again) copies its members.
+        with self.ctx.catalog.read_session() as s:
+            group = s.get(GroupSnapshot, group_id)
+            keys = (
+                [group_id]
+                if group is None
+                else [f"group:{group.name}", *sorted(group.source_volume_ids)]
+            )
+        self.ctx.operation(keys, decide, failpoint_at="delete_group_snapshot.intent")
 
     def finish_delete_group_snapshot(self, group_id: str) -> None:
         with self.ctx.catalog.read_session() as s:

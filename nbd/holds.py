@@ -110,10 +110,13 @@ class Holds:
     async def reach(self, hold: Hold, connections: Iterable[Quiescent], timeout: float) -> None:
         """Wait until every connection on the hold's images is quiet (``connections``
         is looked at again and again: a live set); HoldNotReached after ``timeout``
-        seconds (the hold stays placed: the caller releases it)."""
+        seconds (the hold stays placed: the caller releases it), or at once when the
+        hold is released (or replaced) meanwhile: nobody waits for it any more."""
         busy: list[Quiescent] = []
         with trio.move_on_after(timeout):
             while True:
+                if hold.released.is_set():
+                    raise HoldNotReached(f"hold {hold.hold_id} was released before it was reached")
                 busy = [
                     c for c in list(connections) if c.image_path in hold.paths and not c.quiet()
                 ]

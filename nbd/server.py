@@ -28,7 +28,7 @@ import trio
 from nbd.codec import ProtocolError
 from nbd.exports import ExportTable, IPAddress
 from nbd.handshake import ClientGone, Handshake, HandshakePolicy
-from nbd.holds import Holds
+from nbd.holds import Hold, Holds
 from nbd.tls import TLSFiles
 from nbd.transmission import Transmission
 from nbd.transport import PeerClosed, Transport
@@ -140,6 +140,18 @@ class NBDServer:
                 await self.pool.hold_reached(hold_id, max(0.0, deadline - trio.current_time()))
         except BaseException:
             self.release_io(hold_id)
+            raise
+
+    async def reach_hold(self, hold: Hold, timeout: float) -> None:
+        """Wait until the connections of this process alone are quiet at ``hold``,
+        placed here with ``holds.place`` (a worker's part of a hold: the listener
+        waits for the others).  HoldNotReached after ``timeout`` seconds, or once
+        the hold is released; the hold is then over here."""
+        try:
+            await self.holds.reach(hold, self._transmitting, timeout)
+        except BaseException:
+            if not hold.released.is_set():  # else released, or replaced by a newer one
+                self.holds.release(hold.hold_id)
             raise
 
     def release_io(self, hold_id: str) -> None:

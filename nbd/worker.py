@@ -26,7 +26,7 @@ import trio
 
 from nbd import control
 from nbd.exports import ExportRuntime, ExportStats, ExportTable
-from nbd.holds import HoldNotReached
+from nbd.holds import Hold, HoldNotReached
 from nbd.server import NBDServer, ServerConfig, tune_malloc
 from nbd.shared import SharedExport, SharedRegion
 from nbd.tls import TLSFiles
@@ -179,7 +179,21 @@ class _Worker:
                 self.server.shutdown()  # serve() drains, then the worker exits
                 continue
             elif op == "hold":
-                nursery.start_soon(self._hold, msg)
+                # Placed here, before the next message is read: a release that
+                # follows it on the channel always finds it.  Only the wait
+                # for the connections to get quiet runs on its own.
+                try:
+                    hold_id = str(msg["id"])
+                    timeout = float(msg["timeout"])
+                    paths = [Path(str(p)) for p in msg["paths"]]
+                    hold = self.server.holds.place(hold_id, paths, float(msg["lease"]))
+                except (KeyError, TypeError, ValueError) as e:
+                    error = f"bad hold message: {e}"
+                    nursery.start_soon(
+                        self._send, {"op": "held", "id": str(msg.get("id")), "error": error}
+                    )
+                    continue
+                nursery.start_soon(self._reach, hold, timeout)
                 continue
             elif op == "release":
                 self.server.release_io(str(msg["id"]))
@@ -187,18 +201,14 @@ class _Worker:
             if "seq" in msg:
                 await self._send({"op": "ack", "seq": int(msg["seq"])})
 
-    async def _hold(self, msg: control.Message) -> None:
-        """Hold the images' I/O on this worker's connections; say when reached."""
-        hold_id = str(msg["id"])
+    async def _reach(self, hold: Hold, timeout: float) -> None:
+        """Say when the hold placed in this worker is reached (or why not)."""
         error = None
         try:
-            paths = [Path(str(p)) for p in msg["paths"]]
-            await self.server.hold_io(hold_id, paths, float(msg["lease"]), float(msg["timeout"]))
+            await self.server.reach_hold(hold, timeout)
         except HoldNotReached as e:
             error = str(e)
-        except (KeyError, TypeError, ValueError) as e:
-            error = f"bad hold message: {e}"
-        await self._send({"op": "held", "id": hold_id, "error": error})
+        await self._send({"op": "held", "id": hold.hold_id, "error": error})
 
     async def _serve_connection(self, fd: int) -> None:
         try:

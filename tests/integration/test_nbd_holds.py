@@ -11,6 +11,8 @@ Real sockets and real worker processes; the clients are ``tests.nbdwire``'s.
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from nbd.exports import Export, ExportTable
 from nbd.holds import HoldNotReached
 from nbd.server import NBDServer, ServerConfig
 from tests.conftest import sparse_image
-from tests.nbdwire import WireClient, open_export, serving
+from tests.nbdwire import Closed, WireClient, open_export, serving
 
 MiB = 1 << 20
 TIMEOUT = 60
@@ -210,3 +212,79 @@ async def test_a_hold_ends_a_run_of_large_writes(tmp_path: Path, workers: int) -
                     await trio.sleep(0.01)
                 done.set()
             await client.disconnect()
+
+
+async def test_a_release_queued_behind_a_respawned_workers_hold_ends_it(tmp_path: Path) -> None:
+    """A worker killed during a hold is started again with the hold queued (the
+    lease that is left); the release, sent before the new process has read
+    anything (Python takes longer to start), reaches it right behind. A
+    connection on that worker then writes at once, not after the lease (an
+    hour here). Six rounds: with the release overtaking the hold inside the
+    worker, about half of them were held for good."""
+    a = sparse_image(tmp_path / "a.img", 4 * MiB)
+    table = ExportTable([Export("a", a)])
+    with trio.fail_after(TIMEOUT * 3):
+        async with serving(table, ServerConfig(workers=2)) as (server, port):
+            pool = server.pool
+            assert pool is not None
+            for round_ in range(6):
+                await server.hold_io(f"r{round_}", [a], lease=3600, timeout=10)
+                old = pool._workers[1].proc.pid
+                os.kill(old, signal.SIGKILL)
+                with trio.fail_after(TIMEOUT):
+                    while pool._workers[1].proc.pid == old:
+                        await trio.sleep(0.01)
+                assert not pool._workers[1].ready  # the new one has not read its messages
+                server.release_io(f"r{round_}")
+                with trio.fail_after(TIMEOUT):
+                    while not pool._workers[1].ready:
+                        await trio.sleep(0.01)
+                (client,) = await clients_on(port, "a", 1)  # on a tie the worker takes it
+                with trio.fail_after(20):  # the lease is 3600 s
+                    reply = await client.call(Command.WRITE, 0, 4096, payload=block(round_))
+                assert reply.error == 0 and at(a, 0) == block(round_)
+                assert processes_of(server, "a") == {1}
+                await client.disconnect()
+
+
+@workers
+async def test_removing_an_export_ends_its_connections_parked_at_a_hold(
+    tmp_path: Path, workers: int
+) -> None:
+    """A connection waiting at a hold is told to stop like one waiting for a
+    request: the write it sent is never served, and the client sees the end."""
+    a = sparse_image(tmp_path / "a.img", 4 * MiB)
+    table = ExportTable([Export("a", a)])
+    with trio.fail_after(TIMEOUT):
+        async with serving(table, ServerConfig(workers=workers)) as (server, port):
+            on_a = await clients_on(port, "a", workers)
+            await server.hold_io("h5", [a], lease=3600, timeout=10)
+            for i, client in enumerate(on_a):
+                await client.request(Command.WRITE, i, i * 4096, 4096, payload=block(6))
+            table.remove("a")
+            await server.sync_exports()
+            for client in on_a:
+                with pytest.raises(Closed):
+                    await client.reply()
+            server.release_io("h5")
+            assert a.read_bytes() == bytes(4 * MiB), "a held write was served"
+
+
+@workers
+async def test_a_shutdown_ends_connections_parked_at_a_hold(tmp_path: Path, workers: int) -> None:
+    """The server's drain stops the readers parked at a hold at once: it waits
+    neither for the hold's lease nor for its own grace (both an hour here)."""
+    a = sparse_image(tmp_path / "a.img", 4 * MiB)
+    table = ExportTable([Export("a", a)])
+    config = ServerConfig(workers=workers, shutdown_grace=3600)
+    with trio.fail_after(TIMEOUT):
+        async with serving(table, config) as (server, port):
+            on_a = await clients_on(port, "a", workers)
+            await server.hold_io("h6", [a], lease=3600, timeout=10)
+            for i, client in enumerate(on_a):
+                await client.request(Command.WRITE, i, i * 4096, 4096, payload=block(6))
+        # serving() shut the server down and returned: every process drained.
+        for client in on_a:
+            with pytest.raises(Closed):
+                await client.reply()
+    assert a.read_bytes() == bytes(4 * MiB), "a held write was served"

@@ -95,3 +95,45 @@ def test_a_world_readable_catalog_is_made_private_at_start(tmp_path: Path) -> No
         reopened.migrate()
     finally:
         reopened.dispose()
+
+
+def test_a_downgrade_below_group_snapshots_leaves_no_journal_row_0004_cannot_load(
+    tmp_path: Path,
+) -> None:
+    """0005 -> 0004: refused while a group operation is pending (nothing changed);
+    otherwise the finished group operations go, and the others stay."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from backend.catalog.models import Operation, OperationKind, OperationState
+
+    catalog = Catalog(URL.create("sqlite", database=str(tmp_path / "c.sqlite3")))
+    try:
+        catalog.migrate()
+        with catalog.session() as s:
+            for kind, state in (
+                (OperationKind.CREATE_GROUP_SNAPSHOT, OperationState.PENDING),
+                (OperationKind.DELETE_GROUP_SNAPSHOT, OperationState.DONE),
+                (OperationKind.CREATE_SNAPSHOT, OperationState.DONE),
+            ):
+                s.add(Operation(kind=kind, target_id="t", payload={}, state=state))
+
+        def downgrade() -> None:
+            with catalog.engine.begin() as connection:
+                command.downgrade(catalog._alembic_config(connection), "0004")
+
+        def kinds() -> list[str]:
+            with catalog.engine.connect() as connection:
+                return sorted(connection.scalars(text("select kind from operations")))
+
+        with pytest.raises(RuntimeError, match="1 group snapshot operations are pending"):
+            downgrade()
+        assert "group_snapshots" in inspect(catalog.engine).get_table_names()
+        assert kinds() == ["create_group_snapshot", "create_snapshot", "delete_group_snapshot"]
+        with catalog.engine.begin() as connection:
+            connection.execute(text("update operations set state = 'done'"))
+        downgrade()
+        assert "group_snapshots" not in inspect(catalog.engine).get_table_names()
+        assert kinds() == ["create_snapshot"]
+    finally:
+        catalog.dispose()

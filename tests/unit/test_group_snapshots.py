@@ -13,8 +13,10 @@ tests/integration/test_csi_group_snapshots.py.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -252,3 +254,80 @@ def test_an_interrupted_group_is_taken_again_whole_at_start(
     assert service.pool.snapshot_path(first).read_bytes() == b"N" * MiB
     assert events[:4] == ["freeze []", "hold", "flush a", "flush b"]
     assert events[-2:] == ["release", "thaw"]
+
+
+def test_without_reflink_a_group_too_large_to_copy_within_the_lease_is_refused(
+    service: StorageService, events: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each member here has 1 MiB allocated; with a limit of 2 MiB, three members
+    are refused before anything is recorded or held, and two are taken."""
+    from backend import group_snapshot_ops
+
+    monkeypatch.setattr(group_snapshot_ops, "PLAIN_COPY_LIMIT", 2 * MiB)
+    monkeypatch.setattr(service.pool, "supports_reflink", lambda: False)
+    with pytest.raises(FailedPrecondition, match="cannot snapshot these volumes together"):
+        service.create_group_snapshot("g1", [NBD_A, NBD_B, NFS_C])
+    assert recorded(service) == (0, 0, [])
+    assert events == []
+    assert service.create_group_snapshot("g2", [NBD_A, NBD_B]).ready_to_use
+    # With reflink the copies take no time to speak of: no limit.
+    monkeypatch.setattr(service.pool, "supports_reflink", lambda: True)
+    assert service.create_group_snapshot("g3", [NBD_A, NBD_B, NFS_C]).ready_to_use
+
+
+def test_no_member_is_copied_once_the_lease_is_over(
+    service: StorageService, events: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold takes its whole lease to be placed (a clock moved on by the
+    exporter): the group fails before the first copy, not after the last."""
+    from backend import group_snapshot_ops
+
+    now = [1000.0]
+    # The module's own clock only, not time.monotonic for everything else.
+    monkeypatch.setattr(group_snapshot_ops, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    exporter: Recorder = service.exporter  # type: ignore[assignment]
+    real_hold = exporter.hold_nbd_io
+
+    def slow_hold(hold_id: str, images: Sequence[Path], lease: float, timeout: float) -> None:
+        real_hold(hold_id, images, lease, timeout)
+        now[0] += lease
+
+    monkeypatch.setattr(exporter, "hold_nbd_io", slow_hold)
+    with pytest.raises(Unavailable, match="lease"):
+        service.create_group_snapshot("g1", [NBD_A, NBD_B, NFS_C])
+    assert not [e for e in events if e.startswith("copy")]
+    assert events[-2:] == ["release", "thaw"]
+    assert recorded(service) == (0, 0, ["failed"])
+    assert service.pool.list_snapshot_images() == set()
+
+
+def test_a_delete_waits_for_a_create_taking_the_same_group_again(
+    service: StorageService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group left CREATING is taken again by a second create; a delete that
+    arrives while its members are copied runs after the create, not in the
+    middle (it would remove files and rows under the copies)."""
+    ops = service.group_snapshots
+    ops.finish_group_snapshot = lambda group_id: None  # type: ignore[method-assign]
+    g = service.create_group_snapshot("g1", [NBD_A, NBD_B])
+    del ops.finish_group_snapshot
+    copying = service.pool.snapshot
+    deleter: list[threading.Thread] = []
+
+    def snapshot(vol_id: str, snap_id: str, fs_type: str | None) -> Path:
+        if not deleter:  # the first copy: a delete comes in now
+            deleter.append(threading.Thread(target=service.delete_group_snapshot, args=(g.id,)))
+            deleter[0].start()
+            deleter[0].join(2)  # bounded: with the locks right it cannot end here
+        return copying(vol_id, snap_id, fs_type)
+
+    monkeypatch.setattr(service.pool, "snapshot", snapshot)
+    again = service.create_group_snapshot("g1", [NBD_A, NBD_B])
+    assert again.id == g.id and again.ready_to_use
+    assert all(service.pool.snapshot_path(m.id).exists() for m in again.snapshots)
+    deleter[0].join(30)
+    assert not deleter[0].is_alive()
+    with pytest.raises(NotFound):
+        service.get_group_snapshot(g.id)
+    assert recorded(service)[:2] == (0, 0)
+    assert service.pool.list_snapshot_images() == set()

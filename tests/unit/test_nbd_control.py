@@ -373,3 +373,68 @@ def test_a_worker_raises_its_descriptor_limit() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert out.stdout.split() == ["1024", "1024"]
+
+
+async def test_a_release_right_behind_its_hold_ends_it_in_the_worker() -> None:
+    """A hold and its release queued back to back (a respawned worker, a listener
+    that gave up waiting): the worker applies them in channel order, so no hold
+    is left in force.  When the hold was placed in a task of its own, trio ran
+    the release first in about half of these rounds, and the hold then stopped
+    the images' I/O for its whole lease."""
+    from nbd.server import NBDServer
+    from nbd.worker import _Worker
+
+    for round_ in range(24):
+        ours, theirs = control.socketpair()
+        region = SharedRegion.create(processes=2, slots=4)
+        listener = trio.socket.from_stdlib_socket(ours)
+        server = NBDServer(ExportTable())
+        worker = _Worker(trio.socket.from_stdlib_socket(theirs), server, region, 1)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run, nursery)
+                hold = {"op": "hold", "id": "h", "paths": ["/x"], "lease": 60, "timeout": 10}
+                await control.send(listener, hold)
+                await control.send(listener, {"op": "release", "id": "h"})
+                await control.send(listener, {"op": "sync", "seq": 1})
+                answers: list[control.Message] = []
+                with trio.fail_after(10):
+                    while len(answers) < 2:  # the hold's answer and the sync's ack
+                        got = await control.receive(listener, control.OPS_TO_LISTENER)
+                        assert got is not None
+                        answers.append(got[0])
+                assert {m["op"] for m in answers} == {"held", "ack"}
+                assert not server.holds, f"round {round_}: the hold outlived its release"
+                nursery.cancel_scope.cancel()
+        finally:
+            listener.close()
+            worker.sock.close()
+            region.close()
+
+
+async def test_a_bad_hold_is_answered_and_places_nothing() -> None:
+    from nbd.server import NBDServer
+    from nbd.worker import _Worker
+
+    ours, theirs = control.socketpair()
+    region = SharedRegion.create(processes=2, slots=4)
+    listener = trio.socket.from_stdlib_socket(ours)
+    server = NBDServer(ExportTable())
+    worker = _Worker(trio.socket.from_stdlib_socket(theirs), server, region, 1)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run, nursery)
+            bad = {"op": "hold", "id": "h", "paths": ["/x"], "lease": 0, "timeout": 10}
+            await control.send(listener, bad)
+            with trio.fail_after(10):
+                got = await control.receive(listener, control.OPS_TO_LISTENER)
+            assert got is not None
+            msg, _ = got
+            assert msg["op"] == "held" and msg["id"] == "h"
+            assert "bad hold message" in str(msg["error"])
+            assert not server.holds
+            nursery.cancel_scope.cancel()
+    finally:
+        listener.close()
+        worker.sock.close()
+        region.close()
