@@ -35,7 +35,7 @@ import trio
 
 from nbd.libnbd import CmdFlag, NBDClient, NBDError
 from nbd.libnbd_ctypes import _CompletionCallback, _CompletionFn, _FreeFn, _lib
-from nbd.libnbd_errors import error_for
+from nbd.libnbd_errors import error_for, lost, stalled
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -186,7 +186,7 @@ class AioConnection:
         """Record ``entry`` under a new id and issue the request; the id.  A
         request libnbd refuses leaves no trace and raises."""
         if not self.alive:
-            raise self._gone()
+            raise lost(self.error)
         self._start()
         ident = next(_ids)
         _PENDING[ident] = entry
@@ -301,13 +301,8 @@ class AioConnection:
         if now - sent < timeout:
             return False
         self.stalled_since = sent
-        self._die(NBDError(f"no reply within {timeout:.1f}s", errno.ETIMEDOUT))
+        self._die(stalled(timeout))
         return True
-
-    def _gone(self) -> NBDError:
-        if self.error is not None:
-            return error_for(self.error.message, self.error.errno or errno.ENOTCONN)
-        return NBDError("connection closed", errno.ENOTCONN)
 
     def close(self) -> None:
         """Drop the connection now (requests in flight fail) and free the handle.

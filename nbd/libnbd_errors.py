@@ -7,6 +7,8 @@ exports them with its client.
 
 from __future__ import annotations
 
+import errno as errnos
+
 
 class NBDError(OSError):
     """A libnbd call failed: libnbd's message, and its errno when it gave one (else None)."""
@@ -36,3 +38,16 @@ def error_for(message: str, errno: int | None) -> NBDError:
         kind = type(f"NBD{builtin.__name__}", (NBDError, builtin), {"__module__": __name__})
         _KINDS[builtin] = kind  # a racing thread builds an equal class: harmless
     return kind(message, errno)
+
+
+def lost(error: NBDError | None) -> NBDError:
+    """What a request meets on a connection that is gone: a fresh error like the
+    one it died of (``ENOTCONN`` if it gave none), or "connection closed"."""
+    if error is not None:
+        return error_for(error.message, error.errno or errnos.ENOTCONN)
+    return NBDError("connection closed", errnos.ENOTCONN)
+
+
+def stalled(timeout: float) -> NBDError:
+    """The error of a connection whose oldest request went unanswered for ``timeout`` s."""
+    return NBDError(f"no reply within {timeout:.1f}s", errnos.ETIMEDOUT)

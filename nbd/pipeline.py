@@ -58,7 +58,7 @@ from nbd.constants import (
     TransmissionFlag,
 )
 from nbd.libnbd import CmdFlag, NBDError
-from nbd.libnbd_errors import error_for
+from nbd.libnbd_errors import error_for, lost, stalled
 from nbd.uri import parse_nbd_uri
 
 if TYPE_CHECKING:
@@ -271,7 +271,7 @@ class PipelinedConnection:
         longer than a header can say, or not aligned to the minimum block size.  Before
         anything is recorded: a refused request leaves no trace."""
         if not self.alive:
-            raise self._gone()
+            raise lost(self.error)
         size = self.client.get_size()
         if offset < 0 or length < 0 or length >= 1 << 32 or offset + length > size:
             raise error_for(
@@ -573,13 +573,8 @@ class PipelinedConnection:
         if now - sent < timeout:
             return False
         self.stalled_since = sent
-        self._die(NBDError(f"no reply within {timeout:.1f}s", errno.ETIMEDOUT))
+        self._die(stalled(timeout))
         return True
-
-    def _gone(self) -> NBDError:
-        if self.error is not None:
-            return error_for(self.error.message, self.error.errno or errno.ENOTCONN)
-        return NBDError("connection closed", errno.ENOTCONN)
 
     def close(self) -> None:
         """Drop the connection now (requests in flight fail) and close the socket.
